@@ -1,0 +1,142 @@
+"""Capture a model with torch.export into a functional ATen graph.
+
+The graph is torch.export's (non-strict) training graph, functionalized by
+``run_decompositions({})``: buffer mutations become explicit outputs (BatchNorm's running
+statistics), in-place operations become functional ones, and high-level operations
+(linear, matmul, layer_norm, gelu, softmax, scaled_dot_product_attention, embedding,
+convolution) stay undecomposed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.export.graph_signature import InputKind, OutputKind
+
+from .errors import CaptureError
+
+__all__ = ["CapturedGraph", "capture", "as_input_tuple"]
+
+
+@dataclass
+class CapturedGraph:
+    """A functional ATen graph and how its placeholders and outputs map to the model.
+
+    ``parameters`` and ``buffers`` map placeholder names to the model's attribute paths; a
+    tied parameter (one tensor under two names) is one placeholder. ``inputs`` lists, for
+    each positional argument of the model, the placeholder name of a tensor argument or
+    ``None`` for a non-tensor argument (a constant baked into the graph).
+    ``buffer_mutations`` maps output fx-node names to the buffer path they update.
+    """
+
+    graph: torch.fx.Graph
+    parameters: dict[str, str]
+    buffers: dict[str, str]
+    constants: dict[str, torch.Tensor]
+    inputs: list[str | None]
+    user_outputs: list[str]
+    buffer_mutations: dict[str, str]
+    output_is_tuple: bool
+    sample_constants: dict[int, object] = field(default_factory=dict)
+
+    def placeholder_values(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The current tensors behind the parameter, buffer and constant placeholders."""
+        values: dict[str, torch.Tensor] = dict(self.constants)
+        for name, path in self.parameters.items():
+            values[name] = model.get_parameter(path)
+        for name, path in self.buffers.items():
+            values[name] = model.get_buffer(path)
+        return values
+
+
+def as_input_tuple(sample) -> tuple:
+    """The sample as a tuple of positional arguments (a lone tensor becomes a 1-tuple)."""
+    if isinstance(sample, tuple):
+        return sample
+    if isinstance(sample, list):
+        return tuple(sample)
+    return (sample,)
+
+
+def capture(model: nn.Module, sample) -> CapturedGraph:
+    """Export ``model`` on ``sample`` (non-strict) and functionalize the graph.
+
+    Raises:
+        CaptureError: torch.export failed; the message names the model class and repeats
+            torch's reason, which points at the user's source line.
+    """
+    args = as_input_tuple(sample)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            exported = torch.export.export(model, args, strict=False)
+            exported = exported.run_decompositions({})
+    except Exception as error:  # torch raises many types; we re-raise one with context
+        reason = str(error).strip().splitlines()
+        summary = "\n".join(reason[:12])
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(error).__name__}: "
+            f"{summary}\nRockmate needs a model that torch.export.export(model, sample, "
+            "strict=False) accepts (no data-dependent control flow on tensor values)."
+        ) from error
+
+    signature = exported.graph_signature
+    parameters: dict[str, str] = {}
+    buffers: dict[str, str] = {}
+    constants: dict[str, torch.Tensor] = {}
+    user_inputs: list[str] = []
+    for spec in signature.input_specs:
+        name = spec.arg.name
+        if spec.kind is InputKind.PARAMETER:
+            parameters[name] = spec.target
+        elif spec.kind is InputKind.BUFFER:
+            buffers[name] = spec.target
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            constants[name] = exported.constants[spec.target]
+        elif spec.kind is InputKind.USER_INPUT:
+            user_inputs.append(name)
+        else:
+            raise CaptureError(f"unsupported input kind {spec.kind} for {name!r}")
+
+    if len(user_inputs) != len(args):
+        raise CaptureError(
+            f"the model takes {len(args)} positional inputs but the export has {len(user_inputs)}; "
+            "pass the sample as a tuple of positional arguments (no keyword arguments)"
+        )
+    inputs: list[str | None] = []
+    sample_constants: dict[int, object] = {}
+    for index, (name, value) in enumerate(zip(user_inputs, args)):
+        if isinstance(value, torch.Tensor):
+            inputs.append(name)
+        else:
+            inputs.append(None)
+            sample_constants[index] = value
+
+    user_outputs: list[str] = []
+    buffer_mutations: dict[str, str] = {}
+    for spec in signature.output_specs:
+        if spec.kind is OutputKind.USER_OUTPUT:
+            user_outputs.append(spec.arg.name)
+        elif spec.kind is OutputKind.BUFFER_MUTATION:
+            buffer_mutations[spec.arg.name] = spec.target
+        else:
+            raise CaptureError(
+                f"unsupported output kind {spec.kind} for {spec.arg.name!r}: Rockmate supports "
+                "models that return tensors and mutate only buffers"
+            )
+    out_spec = exported.call_spec.out_spec
+    output_is_tuple = not (out_spec is not None and out_spec.num_leaves == 1 and out_spec.is_leaf())
+    return CapturedGraph(
+        graph=exported.graph,
+        parameters=parameters,
+        buffers=buffers,
+        constants=constants,
+        inputs=inputs,
+        user_outputs=user_outputs,
+        buffer_mutations=buffer_mutations,
+        output_is_tuple=output_is_tuple,
+        sample_constants=sample_constants,
+    )

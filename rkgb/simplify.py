@@ -1,0 +1,363 @@
+"""Simplify the captured graph to one node per allocating operation.
+
+Each operation of the functional ATen graph is classified from its schema's alias annotations
+(not from lists of names):
+
+- *view*: a return aliases an argument without writing it (``view``, ``transpose``, ``split``);
+- *in-place*: an argument is written (``add_``); the functionalized graph rarely has them;
+- *getitem*: picks one result of a multi-output operation;
+- *shape*: returns no tensor (``sym_size``, arithmetic on sizes);
+- *allocating*: everything else. Each allocating operation becomes a :class:`SimplifiedNode`,
+  and the views, in-place updates and getitems of its result go into its ``body``.
+
+Operations that read no activation (only parameters, buffers, constants; a causal mask built
+from a buffer, ``arange``) are *static*: they are inlined into the ``prelude`` of every node
+that uses them, so that they are recomputed where needed and no edge jumps across the chain.
+Static operations whose result updates a buffer (``num_batches_tracked + 1``) are kept apart in
+``SimplifiedGraph.buffer_updates_prologue`` and run once per training step.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from .capture import CapturedGraph
+from .errors import UnsupportedOperation, describe_fx_node
+
+__all__ = ["OpKind", "classify", "SimplifiedNode", "SimplifiedGraph", "simplify"]
+
+
+class OpKind(enum.Enum):
+    VIEW = "view"
+    INPLACE = "inplace"
+    GETITEM = "getitem"
+    SHAPE = "shape"
+    ALLOCATING = "allocating"
+
+
+def _returns_tensor(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) for v in value)
+    return False
+
+
+def classify(node: torch.fx.Node) -> OpKind:
+    """The kind of a ``call_function`` node, read from its op schema's alias annotations."""
+    if node.target is operator.getitem:
+        return OpKind.GETITEM
+    if not _returns_tensor(node):
+        return OpKind.SHAPE
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        raise UnsupportedOperation(
+            f"cannot classify {describe_fx_node(node)}: it is not an ATen operator"
+        )
+    if any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments):
+        return OpKind.INPLACE
+    if any(ret.alias_info is not None for ret in schema.returns):
+        return OpKind.VIEW
+    return OpKind.ALLOCATING
+
+
+def _aliased_argument(node: torch.fx.Node) -> torch.fx.Node:
+    """The argument a view or in-place op aliases (the one sharing its alias set)."""
+    schema = node.target._schema
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    # an in-place op aliases the argument it writes; a view aliases its annotated argument
+    candidates = written or [a for a in schema.arguments if a.alias_info is not None]
+    for position, argument in enumerate(schema.arguments):
+        if argument is not candidates[0] if candidates else True:
+            continue
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+        if isinstance(value, (list, tuple)):
+            value = value[0]
+        if isinstance(value, torch.fx.Node):
+            return value
+    raise UnsupportedOperation(f"cannot find the tensor that {describe_fx_node(node)} aliases")
+
+
+def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
+    return found
+
+
+@dataclass
+class TensorOutput:
+    """One tensor that a simplified node allocates: the fx node naming it and its metadata."""
+
+    fx_name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    size_bytes: int
+    requires_grad: bool
+
+
+@dataclass
+class SimplifiedNode:
+    """One allocating operation with its body; the unit of recomputation.
+
+    ``prelude``: static operations recomputed before ``main``. ``body``: views, getitems and
+    in-place updates of the result, in graph order. ``data_deps``: simplified nodes whose data
+    (or a view of it) the node reads. ``shape_deps``: nodes of which only a shape is read (an
+    ordering constraint, not a data edge). ``outputs``: the tensors it allocates that are used.
+    ``buffer_updates``: fx names of results that are new values of buffers (path).
+    """
+
+    name: str
+    main: torch.fx.Node
+    prelude: list[torch.fx.Node] = field(default_factory=list)
+    body: list[torch.fx.Node] = field(default_factory=list)
+    data_deps: list[str] = field(default_factory=list)
+    shape_deps: list[str] = field(default_factory=list)
+    globals_read: list[str] = field(default_factory=list)
+    outputs: list[TensorOutput] = field(default_factory=list)
+    buffer_updates: dict[str, str] = field(default_factory=dict)
+    is_random: bool = False
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(o.size_bytes for o in self.outputs)
+
+    @property
+    def lines(self) -> list[torch.fx.Node]:
+        """Every fx node the node executes, in order: prelude, main, body."""
+        return self.prelude + [self.main] + self.body
+
+
+@dataclass
+class SimplifiedGraph:
+    """The model as a list of simplified nodes in a topological order.
+
+    ``globals`` are placeholders that are always available and never counted: parameters,
+    buffers, constants and the model's inputs (and the views of these, kept in
+    ``global_views``). ``owner`` maps every fx node name that holds a tensor to the simplified
+    node owning its memory (or to itself for a global).
+    """
+
+    captured: CapturedGraph
+    nodes: list[SimplifiedNode]
+    global_views: list[torch.fx.Node]
+    buffer_updates_prologue: list[torch.fx.Node]
+    owner: dict[str, str]
+    outputs: list[str]  # fx names of the user outputs, in order
+
+    def __post_init__(self) -> None:
+        self._by_name = {node.name: node for node in self.nodes}
+
+    def node(self, name: str) -> SimplifiedNode:
+        return self._by_name[name]
+
+    @property
+    def output_owners(self) -> list[str]:
+        """Simplified nodes owning the user outputs (globals are not listed)."""
+        owners = []
+        for name in self.outputs:
+            owner = self.owner.get(name)
+            if owner in self._by_name and owner not in owners:
+                owners.append(owner)
+        return owners
+
+    def users(self) -> dict[str, list[str]]:
+        users: dict[str, list[str]] = {node.name: [] for node in self.nodes}
+        for node in self.nodes:
+            for dep in node.data_deps:
+                users[dep].append(node.name)
+        return users
+
+
+_RANDOM_TAG = torch.Tag.nondeterministic_seeded
+
+
+def _is_random(node: torch.fx.Node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return _RANDOM_TAG in tags
+
+
+def _tensor_output(fx_node: torch.fx.Node, value: torch.Tensor) -> TensorOutput:
+    size = value.untyped_storage().nbytes() if value.numel() else 0
+    return TensorOutput(
+        fx_name=fx_node.name,
+        shape=tuple(int(s) for s in value.shape),
+        dtype=value.dtype,
+        size_bytes=int(size),
+        requires_grad=bool(value.requires_grad) or value.dtype.is_floating_point,
+    )
+
+
+def simplify(captured: CapturedGraph) -> SimplifiedGraph:
+    """Group the captured graph's operations into simplified nodes.
+
+    Raises:
+        UnsupportedOperation: an operation returns something Rockmate cannot track (a value
+            computed from tensor data, such as ``.item()``); the message names the op and the
+            module path.
+    """
+    graph = captured.graph
+    global_names = set(captured.parameters) | set(captured.buffers) | set(captured.constants)
+    global_names |= {name for name in captured.inputs if name is not None}
+    buffer_mutation_outputs = set(captured.buffer_mutations)
+
+    owner: dict[str, str] = {}  # fx name -> simplified node name (or the global's own name)
+    static: dict[str, list[torch.fx.Node]] = {}  # static fx name -> its static lines, in order
+    nodes: dict[str, SimplifiedNode] = {}
+    order: list[str] = []
+    global_views: list[torch.fx.Node] = []
+    prologue: list[torch.fx.Node] = []
+    outputs: list[str] = []
+    model_inputs = {name for name in captured.inputs if name is not None}
+
+    for fx_node in graph.nodes:
+        if fx_node.op == "placeholder":
+            if fx_node.name in global_names or not fx_node.users:
+                owner[fx_node.name] = fx_node.name
+            continue
+        if fx_node.op == "output":
+            results = fx_node.args[0]
+            outputs = [r.name for r in results if isinstance(r, torch.fx.Node) and r.name in captured.user_outputs]
+            continue
+        if fx_node.op != "call_function":
+            raise UnsupportedOperation(f"unexpected fx operation {fx_node.op} in {describe_fx_node(fx_node)}")
+
+        inputs = _input_nodes(fx_node)
+        kind = classify(fx_node)
+        activation_inputs = [n for n in inputs if owner.get(n.name) in nodes]
+        static_inputs = [n for n in inputs if n.name in static]
+        reads_model_input = any(owner.get(n.name) in model_inputs for n in inputs)
+
+        if kind is OpKind.SHAPE:
+            if not activation_inputs:
+                static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
+            else:
+                # a size read from an activation: consumers depend on its shape only
+                owner[fx_node.name] = owner[activation_inputs[0].name]
+                nodes[owner[fx_node.name]].body.append(fx_node)
+            continue
+
+        if kind in (OpKind.VIEW, OpKind.INPLACE, OpKind.GETITEM):
+            base = fx_node.args[0] if kind is OpKind.GETITEM else _aliased_argument(fx_node)
+            if base.name in static:
+                static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
+                continue
+            base_owner = owner.get(base.name)
+            if base_owner is None:
+                raise UnsupportedOperation(f"cannot place {describe_fx_node(fx_node)}: unknown base")
+            if base_owner not in nodes:
+                if kind is OpKind.INPLACE:
+                    raise UnsupportedOperation(
+                        f"{describe_fx_node(fx_node)} writes in place into an input or a parameter; "
+                        "Rockmate needs a model that does not mutate its inputs or parameters"
+                    )
+                owner[fx_node.name] = base_owner  # a view of a global is a global
+                global_views.append(fx_node)
+                continue
+            holder = nodes[base_owner]
+            holder.body.append(fx_node)
+            owner[fx_node.name] = base_owner
+            if kind is OpKind.INPLACE:
+                _add_deps(holder, fx_node, inputs, owner, nodes, static)
+                late = [d for d in holder.data_deps if order.index(d) > order.index(holder.name)]
+                if late:
+                    raise UnsupportedOperation(
+                        f"{describe_fx_node(fx_node)} updates {holder.name!r} in place with values "
+                        f"computed after it ({late}); this is not supported"
+                    )
+            elif kind is OpKind.GETITEM:
+                value = fx_node.meta.get("val")
+                if fx_node.name in buffer_mutation_outputs:
+                    holder.buffer_updates[fx_node.name] = captured.buffer_mutations[fx_node.name]
+                elif isinstance(value, torch.Tensor) and fx_node.users and base is holder.main:
+                    holder.outputs.append(_tensor_output(fx_node, value))
+            continue
+
+        if not activation_inputs and not reads_model_input and not _is_random(fx_node):
+            static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
+            continue
+
+        # an allocating op reading at least one activation or model input
+        value = fx_node.meta.get("val")
+        node = SimplifiedNode(name=fx_node.name, main=fx_node, is_random=_is_random(fx_node))
+        _add_deps(node, fx_node, inputs, owner, nodes, static)
+        if isinstance(value, torch.Tensor):
+            if fx_node.name in buffer_mutation_outputs:
+                node.buffer_updates[fx_node.name] = captured.buffer_mutations[fx_node.name]
+            else:
+                node.outputs.append(_tensor_output(fx_node, value))
+        nodes[node.name] = node
+        order.append(node.name)
+        owner[fx_node.name] = node.name
+
+    # static ops whose result is a buffer's new value run once per step
+    for name in captured.buffer_mutations:
+        if name in static:
+            for line in static[name]:
+                if line not in prologue:
+                    prologue.append(line)
+    for name in outputs:
+        if name in static:
+            raise UnsupportedOperation(
+                f"output {name!r} does not depend on the model's inputs; Rockmate needs outputs "
+                "computed from the inputs"
+            )
+    simplified = SimplifiedGraph(
+        captured=captured,
+        nodes=[nodes[name] for name in order],
+        global_views=global_views,
+        buffer_updates_prologue=prologue,
+        owner=owner,
+        outputs=outputs,
+    )
+    return _sink_free_nodes(simplified)
+
+
+def _static_lines(static_inputs, static) -> list[torch.fx.Node]:
+    lines: list[torch.fx.Node] = []
+    for n in static_inputs:
+        for line in static[n.name]:
+            if line not in lines:
+                lines.append(line)
+    return lines
+
+
+def _add_deps(node, fx_node, inputs, owner, nodes, static) -> None:
+    for n in inputs:
+        if n.name in static:
+            for line in static[n.name]:
+                if line not in node.prelude:
+                    node.prelude.append(line)
+            continue
+        holder = owner.get(n.name)
+        if holder is None:
+            raise UnsupportedOperation(f"cannot place {describe_fx_node(fx_node)}: input {n.name!r} unknown")
+        if holder in nodes:
+            if holder != node.name and holder not in node.data_deps:
+                node.data_deps.append(holder)
+        elif holder not in node.globals_read:
+            node.globals_read.append(holder)
+
+
+def _sink_free_nodes(graph: SimplifiedGraph) -> SimplifiedGraph:
+    """Move each deterministic node that reads no other node right before its first user.
+
+    Such nodes (an RNN's input projection at step t) read only globals; placing them late
+    keeps edges from jumping over the chain's separators. Random nodes keep their place so
+    that they draw random numbers in the same order as eager PyTorch.
+    """
+    users = graph.users()
+    order = [node.name for node in graph.nodes]
+    free = [n.name for n in graph.nodes if not n.data_deps and not n.is_random and users[n.name]]
+    for name in free:
+        order.remove(name)
+        first_user = min(order.index(u) for u in users[name])
+        order.insert(first_user, name)
+    graph.nodes = [graph.node(name) for name in order]
+    graph.__post_init__()
+    return graph
