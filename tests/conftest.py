@@ -1,0 +1,40 @@
+"""Shared helpers of the test suite.
+
+How tests import things: ``tests/`` is not a package. This conftest puts the repository root
+and the ``tests/`` directory at the front of ``sys.path``, so that a test module (or a
+benchmark run from the repository root) can write ``import rkgb``, ``from rockmate import ...``
+and ``from zoo import ZOO`` without installing the project. Helpers meant for several test
+modules live in ``zoo.py`` (models) or here (fixtures and functions).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+_TESTS_DIR = Path(__file__).resolve().parent
+for _path in (_TESTS_DIR.parent, _TESTS_DIR):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import numpy  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Two cores: keep torch from oversubscribing them (and timings of tests comparable).
+torch.set_num_threads(2)
+
+
+def seed_everything(seed: int = 0) -> None:
+    """Seed Python's, NumPy's and torch's random generators (torch's on every device)."""
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@pytest.fixture
+def seeded() -> int:
+    """Seed every generator with 0 before the test; the value is the seed."""
+    seed_everything(0)
+    return 0
