@@ -1,0 +1,139 @@
+"""From nn.Module + sample to the chain of blocks with one measured CD-graph per class."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .blocks import INPUT_NAME, Chain, cut_chain
+from .capture import CapturedGraph, capture
+from .cdgraph import CDGraph, ComputeKind, ComputeNode, DataKind, DataNode, ModelChain, BlockInstance
+from .cdgraph import compute_name as cname
+from .cdgraph import data_name as dname
+from .inspect import BlockMeasure, inspect_chain
+from .simplify import SimplifiedGraph, simplify
+
+__all__ = ["ModelGraphs", "build", "cdgraph_of_class"]
+
+
+@dataclass
+class ModelGraphs:
+    """Everything the graph builder knows about a model, phase by phase."""
+
+    captured: CapturedGraph
+    simplified: SimplifiedGraph
+    chain: Chain
+    measures: list[BlockMeasure]
+    model_chain: ModelChain
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
+    """The CD-graph of a class from its measures (anonymized names, ``in`` for the input)."""
+    D, G, P = DataKind.DATA, DataKind.GRAD, DataKind.PHANTOMS
+    data: list[DataNode] = []
+    forwards: list[ComputeNode] = []
+    backwards: list[ComputeNode] = []
+    input_data, input_grads = [], []
+    if measure.has_input:
+        data.append(DataNode(dname(INPUT_NAME, D), D, INPUT_NAME, measure.input_bytes))
+        input_data.append(dname(INPUT_NAME, D))
+        if measure.input_requires_grad:
+            data.append(DataNode(dname(INPUT_NAME, G), G, INPUT_NAME, measure.input_bytes))
+    sizes = {INPUT_NAME: measure.input_bytes}
+    sizes.update({n.name: n.data_bytes for n in measure.nodes})
+    grad_exists = {n.name for n in measure.nodes if n.requires_grad}
+    if measure.input_requires_grad:
+        grad_exists.add(INPUT_NAME)
+    for node in measure.nodes:
+        x = node.name
+        data.append(DataNode(dname(x, D), D, x, node.data_bytes))
+        produces = [dname(x, D)]
+        if node.requires_grad:
+            data.append(DataNode(dname(x, G), G, x, node.data_bytes))
+            data.append(DataNode(dname(x, P), P, x, node.phantom_bytes))
+            produces.append(dname(x, P))
+        forwards.append(
+            ComputeNode(
+                name=cname(x, ComputeKind.FORWARD),
+                kind=ComputeKind.FORWARD,
+                target=x,
+                time_s=node.forward_time_s,
+                overhead_bytes=node.forward_overhead_bytes,
+                needs=[dname(d, D) for d in node.data_deps],
+                produces=produces,
+                is_random=node.is_random,
+            )
+        )
+        if node.requires_grad:
+            needs = [dname(x, G)] + [dname(r, D) for r in node.backward_reads]
+            if node.phantom_bytes:
+                needs.append(dname(x, P))
+            backwards.insert(
+                0,
+                ComputeNode(
+                    name=cname(x, ComputeKind.BACKWARD),
+                    kind=ComputeKind.BACKWARD,
+                    target=x,
+                    time_s=node.backward_time_s,
+                    overhead_bytes=node.backward_overhead_bytes,
+                    needs=needs,
+                    needs_shape=[dname(d, D) for d in node.backward_shapes],
+                    produces=[dname(d, G) for d in node.grads_to if d in grad_exists],
+                ),
+            )
+    output_data = [dname(o, D) for o in measure.outputs]
+    output_grads = [dname(o, G) for o in measure.outputs if o in grad_exists]
+    if measure.input_requires_grad:
+        if any(dname(INPUT_NAME, G) in b.produces for b in backwards):
+            input_grads.append(dname(INPUT_NAME, G))
+    loss = ComputeNode(
+        name=cname("loss", ComputeKind.LOSS),
+        kind=ComputeKind.LOSS,
+        target="loss",
+        time_s=0.0,
+        overhead_bytes=0,
+        needs=list(output_data),
+        produces=list(output_grads),
+    )
+    graph = CDGraph(
+        name=f"class{measure.class_index}",
+        compute_nodes=forwards + [loss] + backwards,
+        data_nodes=data,
+        input_data=input_data,
+        input_grads=input_grads,
+        output_data=output_data,
+        output_grads=output_grads,
+    )
+    graph.validate()
+    return graph
+
+
+def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3) -> ModelGraphs:
+    """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
+
+    Args:
+        model: the module to train (in train mode).
+        sample: a tensor or a tuple of positional inputs, on the device of the model.
+        cost_model: ``"measured"`` (median of ``repeats`` timings) or ``"flops"``
+            (deterministic, for tests).
+    """
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+    captured = capture(model, sample)
+    seconds["capture"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    simplified = simplify(captured)
+    chain = cut_chain(simplified)
+    seconds["simplify_and_cut"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    measures = inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats)
+    seconds["inspect"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    classes = [cdgraph_of_class(m) for m in measures]
+    instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
+    model_chain = ModelChain(classes=classes, blocks=instances)
+    seconds["cdgraph"] = time.perf_counter() - clock
+    return ModelGraphs(captured, simplified, chain, measures, model_chain, seconds)

@@ -1,0 +1,186 @@
+"""Saved tensors of autograd islands: references to node data, or phantoms.
+
+When a simplified node ``x`` runs with grad (an *autograd island*), autograd saves tensors in
+``x``'s ``grad_fn`` for the backward. With :func:`torch.autograd.graph.saved_tensors_hooks`,
+every saved tensor goes through :meth:`SavedTensors.pack`:
+
+- a tensor sharing its storage with the current data of a node (``x`` itself, as ``relu``
+  saves its result, or an input of ``x``, or a view of either) is stored as a
+  :class:`DataReference`: the node's name and the view's geometry. It holds no memory, and
+  :meth:`unpack` rebuilds it from that node's *current* data, so forgetting and recomputing a
+  node's data never leaves a stale copy behind in someone's ``grad_fn``;
+- a tensor of a global (parameter, buffer, model input) is kept as is: always alive, free;
+- any other tensor is a *phantom* of ``x`` (Rockmate, ICML 2023, section 3): memory that only
+  ``x``'s backward needs, freed by :meth:`free_phantoms`.
+
+The graph builder measures phantoms with this class and the executor runs with it, so both
+agree on what a node keeps.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+__all__ = ["DataReference", "Packed", "PhantomFreedError", "SavedTensors", "storage_key"]
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An identity of the tensor's storage (its data pointer); 0 for an empty storage."""
+    return tensor.untyped_storage().data_ptr()
+
+
+@dataclass
+class DataReference:
+    """A saved tensor that is a view of output ``index`` of node ``node``."""
+
+    node: str
+    index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+
+class Packed:
+    """What autograd keeps for one saved tensor of the island of ``island``.
+
+    Exactly one of ``tensor`` (a phantom, or a global) and ``reference`` is set; a phantom's
+    ``tensor`` becomes None when the phantoms of its island are freed.
+    """
+
+    __slots__ = ("island", "tensor", "reference")
+
+    def __init__(self, island: str, tensor: torch.Tensor | None, reference: DataReference | None) -> None:
+        self.island = island
+        self.tensor = tensor
+        self.reference = reference
+
+
+class PhantomFreedError(RuntimeError):
+    pass
+
+
+class SavedTensors:
+    """The registry of node data and of the phantoms of each island (one per training step)."""
+
+    def __init__(self) -> None:
+        self._owner: dict[int, tuple[str, int]] = {}  # storage key -> (node, output index)
+        self._data: dict[str, Sequence[torch.Tensor]] = {}  # node -> its current outputs
+        self._globals: set[int] = set()
+        self._phantoms: dict[str, list[Packed]] = {}
+        self._references: dict[str, set[str]] = {}
+        self._island: str | None = None
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    # -- data ------------------------------------------------------------------------------
+    def register_globals(self, tensors) -> None:
+        """Parameters, buffers and inputs: saved as themselves, never counted."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                self._globals.add(storage_key(tensor))
+
+    def register_data(self, node: str, outputs: Sequence[torch.Tensor]) -> None:
+        """``outputs`` are now the current data of ``node`` (after a computation)."""
+        self.unregister_data(node)
+        self._data[node] = outputs
+        for index, tensor in enumerate(outputs):
+            if tensor.numel():
+                self._owner[storage_key(tensor)] = (node, index)
+
+    def unregister_data(self, node: str) -> None:
+        """The data of ``node`` is forgotten: its storages may be reused by the allocator."""
+        old = self._data.pop(node, None)
+        if old is None:
+            return
+        for tensor in old:
+            key = storage_key(tensor)
+            if self._owner.get(key, (None,))[0] == node:
+                del self._owner[key]
+
+    # -- islands ---------------------------------------------------------------------------
+    @contextmanager
+    def island(self, node: str) -> Iterator[None]:
+        """Run the forward of ``node`` with grad: saved tensors are packed for ``node``."""
+        self._island = node
+        self._phantoms[node] = []
+        self._references[node] = set()
+        try:
+            with self._hooks:
+                yield
+        finally:
+            self._island = None
+
+    def pack(self, tensor: torch.Tensor):
+        key = storage_key(tensor)
+        if not tensor.numel() or key in self._globals:
+            return tensor
+        owner = self._owner.get(key)
+        if owner is not None:
+            self._references[self._island].add(owner[0])
+            return Packed(self._island, None, self._reference(owner, tensor))
+        packed = Packed(self._island, tensor, None)
+        self._phantoms[self._island].append(packed)
+        return packed
+
+    @staticmethod
+    def _reference(owner: tuple[str, int], tensor: torch.Tensor) -> DataReference:
+        return DataReference(
+            owner[0], owner[1], tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor.dtype
+        )
+
+    def unpack(self, packed):
+        if not isinstance(packed, Packed):
+            return packed
+        reference = packed.reference
+        if reference is not None:
+            outputs = self._data.get(reference.node)
+            if outputs is None:
+                raise PhantomFreedError(
+                    f"the backward of {packed.island!r} needs the data of {reference.node!r}, "
+                    "which is not alive: the schedule is invalid"
+                )
+            base = outputs[reference.index].detach()
+            return base.as_strided(reference.size, reference.stride, reference.offset)
+        if packed.tensor is None:
+            raise PhantomFreedError(
+                f"the backward of {packed.island!r} needs its phantoms, which were freed: the "
+                "schedule is invalid"
+            )
+        return packed.tensor
+
+    def finish_island(self, node: str, outputs: Sequence[torch.Tensor]) -> None:
+        """Saved tensors that alias ``node``'s own outputs become references to its data."""
+        keys = {storage_key(t): i for i, t in enumerate(outputs) if t.numel()}
+        kept = []
+        for packed in self._phantoms.get(node, []):
+            index = keys.get(storage_key(packed.tensor))
+            if index is None:
+                kept.append(packed)
+            else:
+                packed.reference = self._reference((node, index), packed.tensor)
+                packed.tensor = None
+                self._references[node].add(node)
+        self._phantoms[node] = kept
+
+    # -- phantoms --------------------------------------------------------------------------
+    def free_phantoms(self, node: str) -> None:
+        for phantom in self._phantoms.pop(node, []):
+            phantom.tensor = None
+
+    def phantom_tensors(self, node: str) -> list[torch.Tensor]:
+        return [p.tensor for p in self._phantoms.get(node, []) if p.tensor is not None]
+
+    def phantom_bytes(self, node: str) -> int:
+        """Bytes held by the phantoms of ``node`` (each storage counted once)."""
+        storages = {}
+        for tensor in self.phantom_tensors(node):
+            storages[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    def references_of(self, node: str) -> set[str]:
+        """Nodes whose data the saved tensors of ``node``'s island refer to."""
+        return set(self._references.get(node, set()))
