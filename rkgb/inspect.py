@@ -209,7 +209,8 @@ def _drop(node: SimplifiedNode, env) -> None:
 def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index) -> BlockMeasure:
     anonymous = {real: anon for anon, real in block.anonymous_names().items()}
     saved = SavedTensors()
-    globals_ = [v for k, v in outer_env.items() if isinstance(v, torch.Tensor) and graph.owner.get(k) == k]
+    global_names = graph.global_names()
+    globals_ = [v for k, v in outer_env.items() if isinstance(v, torch.Tensor) and k in global_names]
     saved.register_globals(globals_)
     params = [p for p in model.parameters() if p.requires_grad]
     env = dict(outer_env)

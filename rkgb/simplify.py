@@ -166,6 +166,13 @@ class SimplifiedGraph:
                 owners.append(owner)
         return owners
 
+    def global_names(self) -> set[str]:
+        """fx names of the globals: parameters, buffers, constants, inputs and their views."""
+        captured = self.captured
+        names = set(captured.parameters) | set(captured.buffers) | set(captured.constants)
+        names |= {name for name in captured.inputs if name is not None}
+        return names | {view.name for view in self.global_views}
+
     def users(self) -> dict[str, list[str]]:
         users: dict[str, list[str]] = {node.name: [] for node in self.nodes}
         for node in self.nodes:
