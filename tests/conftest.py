@@ -9,6 +9,7 @@ modules live in ``zoo.py`` (models) or here (fixtures and functions).
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -22,8 +23,11 @@ import numpy  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Two cores: keep torch from oversubscribing them (and timings of tests comparable).
-torch.set_num_threads(2)
+# One intra-op thread unless ROCKMATE_TEST_THREADS says otherwise. The machines of this project
+# have two cores shared by parallel test runs; when two processes each run two OpenMP threads,
+# the threads spin at barriers and a 4 ms step of a zoo model can take 2 s. With one thread
+# per process the same step takes 4 to 13 ms, loaded or not.
+torch.set_num_threads(int(os.environ.get("ROCKMATE_TEST_THREADS", "1")))
 
 
 def seed_everything(seed: int = 0) -> None:
