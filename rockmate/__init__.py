@@ -1,0 +1,24 @@
+"""Rockmate: train PyTorch models that do not fit in memory, exactly.
+
+    from rockmate import Rockmate
+    rk = Rockmate(model, sample, "300MiB")   # same outputs and gradients, activations <= budget
+    loss = loss_fn(rk(*sample), target)
+    loss.backward()
+
+See :class:`rockmate.api.Rockmate` and ``DESIGN.md``.
+"""
+
+from .api import BuildOptions, Rockmate, min_budget
+from .budget import format_bytes, parse_budget
+from .errors import CaptureError, InfeasibleBudget, UnsupportedOperation
+
+__all__ = [
+    "Rockmate",
+    "min_budget",
+    "BuildOptions",
+    "InfeasibleBudget",
+    "CaptureError",
+    "UnsupportedOperation",
+    "parse_budget",
+    "format_bytes",
+]
