@@ -1,0 +1,472 @@
+"""Generate the Python source of a schedule: one function per phase, one ATen operation a line.
+
+The executor of Rockmate (ICML 2023, section 5) runs a schedule of the CD-graph
+(:mod:`rkgb.cdgraph`) as plain Python. :func:`generate` turns a schedule into two functions:
+
+- ``forward_phase(s, *inputs)``: every operation before ``Compute("loss")``, then the buffer
+  updates of the step; returns the model's outputs (detached);
+- ``backward_phase(s, grad_outputs)``: the gradients of the outputs, then every operation after
+  the loss.
+
+``s`` is the state of one training step (:class:`exec.runtime.StepState`); every value that a
+later operation may need lives in one of its attributes (``s.linear`` is the leaf holding the
+data of node ``linear``, ``s._linear`` the output of its autograd island). Parameters, buffers,
+constants, placeholder tensors and the few runtime helpers are globals of the generated code,
+so that at run time a line costs one ATen call and nothing else: no dictionary lookups by name
+and no interpretation of fx nodes.
+
+Every decision that depends only on the schedule is taken here, at generation time: whether a
+computation is the node's first of the step (create the leaf, record the RNG state, capture the
+buffer updates) or a recomputation (assign ``.data``, replay the RNG state), whether it runs
+with grad, and which views to drop when data is forgotten.
+"""
+
+from __future__ import annotations
+
+import linecache
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from rkgb.simplify import SimplifiedGraph, SimplifiedNode
+from solvers.schedule import Compute, Forget, Schedule
+
+__all__ = ["GeneratedCode", "ScheduleError", "NodeInfo", "node_infos", "generate"]
+
+
+class ScheduleError(ValueError):
+    """The schedule cannot be executed on this graph (unknown node, missing autograd graph)."""
+
+
+@dataclass
+class NodeInfo:
+    """What the code generator needs to know about one simplified node.
+
+    ``outputs``: fx names of the tensors it allocates that are used (each gets a leaf);
+    ``output_index``: for a multi-output operation, the index of each output in the result
+    tuple (None for a single tensor result). ``requires_grad``: whether its outputs depend on a
+    tensor that requires grad (otherwise it has no island and no backward).
+    """
+
+    node: SimplifiedNode
+    outputs: list[str]
+    output_index: dict[str, int | None]
+    requires_grad: bool
+    island_lines: list[torch.fx.Node] = field(default_factory=list)  # getitems of the main result
+    view_lines: list[torch.fx.Node] = field(default_factory=list)  # views of the leaves
+    update_lines: list[torch.fx.Node] = field(default_factory=list)  # getitems for buffer updates
+    placeholders: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+
+
+def node_infos(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) -> dict[str, NodeInfo]:
+    """Static information on every node, given which globals (placeholder names) require grad.
+
+    A node requires grad when one of its lines reads a global that requires grad or the data of
+    a node that requires grad, and it has a floating-point output.
+    """
+    infos: dict[str, NodeInfo] = {}
+    owner = graph.owner
+    for node in graph.nodes:
+        outputs = [o.fx_name for o in node.outputs]
+        floating = any(o.dtype.is_floating_point or o.dtype.is_complex for o in node.outputs)
+        reads_grad = False
+        for line in node.prelude + [node.main]:
+            for arg in line.all_input_nodes:
+                holder = owner.get(arg.name)
+                if holder in infos:
+                    reads_grad |= infos[holder].requires_grad
+                elif holder is not None:
+                    reads_grad |= global_requires_grad.get(holder, False)
+        info = NodeInfo(
+            node=node,
+            outputs=outputs,
+            output_index={},
+            requires_grad=reads_grad and floating,
+        )
+        for line in node.body:
+            is_main_getitem = line.target is operator.getitem and line.args[0] is node.main
+            if is_main_getitem and line.name in outputs:
+                info.island_lines.append(line)
+                info.output_index[line.name] = line.args[1]
+            elif is_main_getitem and line.name in node.buffer_updates:
+                info.update_lines.append(line)
+            elif is_main_getitem:
+                continue  # an unused result of the main operation (saved by autograd or dropped)
+            else:
+                info.view_lines.append(line)
+        if node.main.name in outputs:
+            info.output_index[node.main.name] = None
+        for output in node.outputs:
+            info.placeholders[output.fx_name] = (output.shape, output.dtype)
+        infos[node.name] = info
+    return infos
+
+
+@dataclass
+class GeneratedCode:
+    """The generated source, its compiled phase functions and the globals they read."""
+
+    source: str
+    filename: str
+    forward_phase: Any
+    backward_phase: Any
+    globals: dict[str, Any]
+    global_names: dict[str, str]  # placeholder name of a parameter/buffer/constant -> global name
+
+
+_counter = [0]
+
+
+def _fresh_filename() -> str:
+    _counter[0] += 1
+    return f"<rockmate-generated-{_counter[0]}>"
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.indent = 1
+
+    def __call__(self, text: str) -> None:
+        self.lines.append("    " * self.indent + text)
+
+    def comment(self, text: str) -> None:
+        self("# " + text)
+
+
+class _Generator:
+    """Walk the schedule once, tracking statically what is alive, and write the code."""
+
+    def __init__(
+        self,
+        graph: SimplifiedGraph,
+        schedule: Schedule,
+        infos: dict[str, NodeInfo],
+        input_requires_grad: list[bool],
+        device: torch.device,
+    ) -> None:
+        self.graph = graph
+        self.schedule = schedule
+        self.infos = infos
+        self.device = device
+        self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten}
+        self.constant_count = 0
+        captured = graph.captured
+        self.input_names = [name for name in captured.inputs if name is not None]
+        self.input_requires_grad = input_requires_grad
+        # where each fx name lives at run time
+        self.global_placeholders = set(captured.parameters) | set(captured.buffers) | set(captured.constants)
+        self.state_names = {n.name for n in graph.global_views} | set(self.input_names)
+        for info in infos.values():
+            self.state_names |= set(info.outputs) | {line.name for line in info.view_lines}
+        self.computed: set[str] = set()  # nodes computed at least once this step
+        self.has_graph: set[str] = set()  # nodes with an unconsumed autograd island
+        self.local_values: dict[str, str] = {}  # fx name -> local expression (prelude values)
+        self.island_names: dict[str, str] = {}
+        taken = set(graph.owner) | {n.name for n in graph.captured.graph.nodes}
+        for info in infos.values():
+            for out in info.outputs:
+                name = "_" + out
+                while name in taken:
+                    name = "_" + name
+                taken.add(name)
+                self.island_names[out] = name
+        self.buffer_updates: list[tuple[str, str]] = []  # (buffer global, local value)
+
+    # -- expressions ---------------------------------------------------------------------
+    def bind(self, value: Any, hint: str) -> str:
+        self.constant_count += 1
+        name = f"{hint}_{self.constant_count}"
+        self.globals[name] = value
+        return name
+
+    def ref(self, fx_name: str) -> str:
+        if fx_name in self.local_values:
+            return self.local_values[fx_name]
+        if fx_name in self.global_placeholders:
+            return fx_name
+        if fx_name in self.state_names:
+            return f"s.{fx_name}"
+        raise ScheduleError(f"the generated code refers to {fx_name!r}, which has no value here")
+
+    def expr(self, value: Any) -> str:
+        if isinstance(value, torch.fx.Node):
+            return self.ref(value.name)
+        if isinstance(value, (list, tuple)):
+            inner = ", ".join(self.expr(v) for v in value)
+            if isinstance(value, tuple):
+                return f"({inner},)" if len(value) == 1 else f"({inner})"
+            return f"[{inner}]"
+        if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+            return repr(value)
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return repr(value)
+            return self.bind(value, "constant")  # inf, -inf, nan
+        if isinstance(value, torch.dtype):
+            return str(value)  # torch.float32
+        if isinstance(value, (torch.memory_format, torch.layout)):
+            return str(value)
+        if isinstance(value, torch.device):
+            return self.bind(value, "device")
+        return self.bind(value, "constant")
+
+    def call(self, fx_node: torch.fx.Node) -> str:
+        target = fx_node.target
+        if target is operator.getitem:
+            return f"{self.expr(fx_node.args[0])}[{self.expr(fx_node.args[1])}]"
+        if isinstance(target, torch._ops.OpOverload):
+            namespace = target.namespace
+            packet = target._overloadpacket.__name__
+            function = f"aten.{packet}.{target._overloadname}" if namespace == "aten" else self.bind(target, "op")
+        else:
+            function = self.bind(target, getattr(target, "__name__", "function"))
+        args = [self.expr(a) for a in fx_node.args]
+        args += [f"{k}={self.expr(v)}" for k, v in fx_node.kwargs.items()]
+        return f"{function}({', '.join(args)})"
+
+    # -- operations ------------------------------------------------------------------------
+    def target(self, compute_name: str) -> str:
+        for prefix in ("fwd_", "bwd_"):
+            if compute_name.startswith(prefix):
+                name = compute_name[len(prefix):]
+                if name in self.infos:
+                    return name
+        raise ScheduleError(
+            f"the schedule computes {compute_name!r}, which names no node of the graph; compute "
+            "nodes are 'loss', 'fwd_<node>' and 'bwd_<node>' for the simplified graph's nodes"
+        )
+
+    def forward(self, w: _Writer, name: str, with_grad: bool) -> None:
+        info = self.infos[name]
+        node = info.node
+        with_grad = with_grad and info.requires_grad
+        first = name not in self.computed
+        w.comment(f"fwd_{name}" + (" (with grad)" if with_grad else " (no grad)")
+                  + ("" if first else ", recomputation"))
+        if node.is_random:
+            if first:
+                w(f"s.rng_{name} = rng_get()")
+            else:
+                w(f"rng_outer = rng_get(); rng_set(s.rng_{name})")
+        main = node.main.name
+        result = self.island_names[main] if main in self.island_names else main
+        if with_grad:
+            w(f"with island({name!r}):")
+        else:
+            w("with no_grad():")
+        w.indent += 1
+        self.local_values = {}
+        for line in node.prelude:
+            w(f"{line.name} = {self.call(line)}")
+            self.local_values[line.name] = line.name
+        w(f"{result} = {self.call(node.main)}")
+        self.local_values[node.main.name] = result
+        w.indent -= 1
+        island_of = {}
+        for out in info.outputs:
+            index = info.output_index[out]
+            island_of[out] = result if index is None else f"{result}[{index}]"
+        if first:
+            for line in info.update_lines:
+                w(f"{line.name} = {result}[{line.args[1]}]  # new value of {node.buffer_updates[line.name]}")
+                self.buffer_updates.append((self._buffer_global(node.buffer_updates[line.name]), line.name))
+            if node.main.name in node.buffer_updates:
+                self.buffer_updates.append((self._buffer_global(node.buffer_updates[node.main.name]), result))
+        if node.is_random and not first:
+            w("rng_set(rng_outer)")
+        outs = info.outputs
+        if with_grad:
+            for out in outs:
+                w(f"s.{self.island_names[out]} = {island_of[out]}")
+            w(f"finish_island({name!r}, ({''.join(f's.{self.island_names[o]}, ' for o in outs)}))")
+            self.has_graph.add(name)
+        for out in outs:
+            island = f"s.{self.island_names[out]}" if with_grad else island_of[out]
+            if first:
+                leaf = f"{island}.detach()" if with_grad else island
+                if info.requires_grad:
+                    leaf += ".requires_grad_()"
+                w(f"s.{out} = {leaf}")
+            else:
+                w(f"s.{out}.data = {island}")
+            if with_grad:
+                w(f"{island}.data = {self.placeholder(name, out)}")
+        if outs:
+            w(f"register_data({name!r}, ({''.join(f's.{o}, ' for o in outs)}))")
+        self.local_values = {}
+        for line in info.view_lines:
+            w(f"s.{line.name} = {self.call(line)}")
+        self.computed.add(name)
+
+    def _buffer_global(self, path: str) -> str:
+        for placeholder, buffer_path in self.graph.captured.buffers.items():
+            if buffer_path == path:
+                return placeholder
+        raise ScheduleError(f"buffer {path!r} has no placeholder in the captured graph")
+
+    def placeholder(self, name: str, out: str) -> str:
+        global_name = f"placeholder_{out}"
+        if global_name not in self.globals:
+            shape, dtype = self.infos[name].placeholders[out]
+            self.globals[global_name] = torch.empty((), dtype=dtype, device=self.device).expand(shape)
+        return global_name
+
+    def backward(self, w: _Writer, name: str) -> None:
+        info = self.infos[name]
+        w.comment(f"bwd_{name}")
+        if not info.requires_grad:
+            w("pass  # its outputs do not require grad: nothing to do")
+            return
+        if name not in self.has_graph:
+            raise ScheduleError(
+                f"bwd_{name} runs while {name} has no autograd graph: the schedule must run "
+                f"Compute('fwd_{name}', with_grad=True) after the previous bwd_{name}"
+            )
+        outs = info.outputs
+        if len(outs) == 1:
+            out = outs[0]
+            w(f"if s.{out}.grad is not None:")
+            w(f"    run_backward((s.{self.island_names[out]},), (s.{out}.grad,))")
+        else:
+            islands = "".join(f"s.{self.island_names[o]}, " for o in outs)
+            grads = "".join(f"s.{o}.grad, " for o in outs)
+            w(f"backward_outputs(({islands}), ({grads}))")
+        for out in outs:
+            w(f"s.{self.island_names[out]} = None")
+        self.has_graph.discard(name)
+
+    def forget(self, w: _Writer, data_node: str) -> None:
+        name, _, kind = data_node.rpartition(".")
+        if name not in self.infos or kind not in ("data", "grad", "phantoms"):
+            raise ScheduleError(
+                f"the schedule forgets {data_node!r}, which names no data node of the graph; data "
+                "nodes are '<node>.data', '<node>.grad' and '<node>.phantoms'"
+            )
+        info = self.infos[name]
+        w.comment(f"forget {data_node}")
+        if kind == "data":
+            w(f"unregister_data({name!r})")
+            for out in info.outputs:
+                w(f"s.{out}.data = {self.placeholder(name, out)}")
+            for line in info.view_lines:
+                w(f"s.{line.name} = None")
+        elif kind == "grad":
+            for out in info.outputs:
+                w(f"s.{out}.grad = None")
+        else:
+            w(f"free_phantoms({name!r})")
+
+    # -- phases ----------------------------------------------------------------------------
+    def header(self, w: _Writer) -> None:
+        w("saved = s.saved")
+        w("island, finish_island = saved.island, saved.finish_island")
+        w("register_data, unregister_data = saved.register_data, saved.unregister_data")
+        w("free_phantoms = saved.free_phantoms")
+
+    def generate(self) -> str:
+        ops = self.schedule.ops
+        loss = self.schedule.loss_index
+        inputs = ", ".join(self.input_names)
+        head = f"def forward_phase(s{', ' if inputs else ''}{inputs}):"
+        w = _Writer()
+        w('"""The forward phase of the schedule; returns the outputs (detached)."""')
+        self.header(w)
+        for name, requires_grad in zip(self.input_names, self.input_requires_grad):
+            w(f"s.{name} = {name}.detach().requires_grad_()" if requires_grad else f"s.{name} = {name}")
+        if self.graph.global_views:
+            w.comment("views of parameters, buffers and inputs")
+            for line in self.graph.global_views:
+                w(f"s.{line.name} = {self.call(line)}")
+        if self.graph.buffer_updates_prologue:
+            w.comment("buffer updates computed from buffers alone (once per step)")
+            for line in self.graph.buffer_updates_prologue:
+                w(f"{line.name} = {self.call(line)}")
+                self.local_values[line.name] = line.name
+            for name, path in self.graph.captured.buffer_mutations.items():
+                if any(line.name == name for line in self.graph.buffer_updates_prologue):
+                    self.buffer_updates.append((self._buffer_global(path), name))
+            self.local_values = {}
+        for op in ops[:loss]:
+            self.operation(w, op, forward_phase=True)
+        if self.buffer_updates:
+            w.comment("new values of the buffers, once per step (never on recomputation)")
+            w("with no_grad():")
+            for buffer, value in self.buffer_updates:
+                w(f"    {buffer}.copy_({value})")
+        outputs = [self.ref(name) for name in self.graph.outputs]
+        for name in self.graph.outputs:
+            if self.graph.owner.get(name) in self.infos and self.graph.owner[name] not in self.computed:
+                raise ScheduleError(f"output {name!r} is not computed before the loss")
+        w(f"s.outputs = ({''.join(o + ', ' for o in outputs)})")
+        w("return tuple(output.detach() for output in s.outputs)")
+        forward_source = [head] + w.lines
+
+        w = _Writer()
+        w('"""The backward phase of the schedule, from the gradients of the outputs."""')
+        self.header(w)
+        w.comment("loss: the gradients of the outputs")
+        w("backward_outputs(s.outputs, grad_outputs)")
+        w("s.outputs = None")
+        for op in ops[loss + 1:]:
+            self.operation(w, op, forward_phase=False)
+        backward_source = ["def backward_phase(s, grad_outputs):"] + w.lines
+        return "\n".join(forward_source) + "\n\n\n" + "\n".join(backward_source) + "\n"
+
+    def operation(self, w: _Writer, op, forward_phase: bool) -> None:
+        if isinstance(op, Forget):
+            self.forget(w, op.node)
+        elif isinstance(op, Compute):
+            if op.node == "loss":
+                raise ScheduleError("the schedule has two loss operations; it must have exactly one")
+            name = self.target(op.node)
+            if op.node.startswith("fwd_"):
+                if not forward_phase and name not in self.computed:
+                    raise ScheduleError(f"{op.node} is first computed after the loss; compute every node before")
+                self.forward(w, name, op.with_grad)
+            else:
+                if forward_phase:
+                    raise ScheduleError(f"{op.node} comes before the loss; backwards come after it")
+                self.backward(w, name)
+        else:
+            raise ScheduleError(f"unknown schedule operation {op!r}: expected Compute or Forget")
+
+
+def generate(
+    graph: SimplifiedGraph,
+    schedule: Schedule,
+    infos: dict[str, NodeInfo],
+    input_requires_grad: list[bool],
+    runtime_globals: dict[str, Any],
+    device: torch.device | str = "cpu",
+) -> GeneratedCode:
+    """Generate, compile and register (in ``linecache``) the code of ``schedule``.
+
+    ``runtime_globals`` are the helpers the code calls (``rng_get``, ``run_backward``, ...;
+    see :mod:`exec.runtime`). Parameters, buffers and constants are globals named after their
+    placeholders; the caller binds their tensors (:func:`bind_globals`).
+
+    Raises:
+        ScheduleError: the schedule names an unknown node, or runs a backward without an
+            autograd graph.
+    """
+    generator = _Generator(graph, schedule, infos, input_requires_grad, torch.device(device))
+    source = generator.generate()
+    filename = _fresh_filename()
+    namespace = dict(generator.globals)
+    namespace.update(runtime_globals)
+    code = compile(source, filename, "exec")
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    exec(code, namespace)  # noqa: S102 - the namespace is private to this generated module
+    return GeneratedCode(
+        source=source,
+        filename=filename,
+        forward_phase=namespace["forward_phase"],
+        backward_phase=namespace["backward_phase"],
+        globals=namespace,
+        global_names={name: name for name in generator.global_placeholders},
+    )

@@ -1,0 +1,254 @@
+"""The compiled module: an ``nn.Module`` that runs a schedule through generated code.
+
+:class:`CompiledModule` wraps the model; in training mode with grad enabled, its forward calls
+an ``autograd.Function`` whose ``forward`` runs the generated forward phase and whose
+``backward`` runs the generated backward phase (Rockmate, ICML 2023, section 5). Each simplified
+node is an autograd island: its backward is a nested ``torch.autograd.backward`` from its own
+outputs, so the parameters' gradients accumulate in ``p.grad`` directly, as in eager PyTorch
+(optimizers, hooks and ``zero_grad`` work unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from rkgb.capture import as_input_tuple
+from rkgb.saved import SavedTensors
+from rkgb.simplify import SimplifiedGraph
+from solvers.schedule import Schedule
+
+from .codegen import GeneratedCode, generate, node_infos
+
+__all__ = ["CompiledModule", "StepState"]
+
+
+class StepState:
+    """The values of one training step: leaves, island outputs, views, RNG states, ...
+
+    Attributes are named after the graph's fx nodes (see :mod:`exec.codegen`); ``saved`` is
+    the step's registry of saved tensors.
+    """
+
+    def __init__(self, saved: SavedTensors) -> None:
+        self.saved = saved
+
+
+# -- helpers called by the generated code ---------------------------------------------------
+
+
+def _run_backward(tensors: tuple, grads: tuple) -> None:
+    torch.autograd.backward(tensors, grads)
+
+
+def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Backward from the tensors that require grad and received a gradient."""
+    roots, root_grads = [], []
+    for tensor, grad in zip(tensors, grads):
+        if grad is not None and tensor.requires_grad:
+            roots.append(tensor)
+            root_grads.append(grad)
+    if roots:
+        torch.autograd.backward(roots, root_grads)
+
+
+def _rng_helpers(device: torch.device):
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+
+        def rng_get():
+            return torch.get_rng_state(), torch.cuda.get_rng_state(index)
+
+        def rng_set(state):
+            torch.set_rng_state(state[0])
+            torch.cuda.set_rng_state(state[1], index)
+
+        return rng_get, rng_set
+    return torch.get_rng_state, torch.set_rng_state
+
+
+class _ScheduleFunction(torch.autograd.Function):
+    """``forward``: the forward phase; ``backward``: the backward phase (reentrant)."""
+
+    @staticmethod
+    def forward(ctx, runner: "_Runner", *tensors: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        state = runner.new_state()
+        inputs = tensors[: runner.input_count]
+        with torch.enable_grad():
+            outputs = runner.code.forward_phase(state, *inputs)
+        ctx.state = state
+        ctx.runner = runner
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        state, runner = ctx.state, ctx.runner
+        ctx.state = None
+        if state is None:
+            raise RuntimeError(
+                "Rockmate: backward through the compiled module ran twice; the schedule frees "
+                "what it used (retain_graph=True is not supported)"
+            )
+        with torch.enable_grad():
+            runner.code.backward_phase(state, grad_outputs)
+        grads = [None]  # the runner
+        for name, requires_grad in zip(runner.input_names, runner.input_requires_grad):
+            grads.append(getattr(state, name).grad if requires_grad else None)
+        grads += [None] * (len(grad_outputs) * 0 + runner.parameter_count)
+        return tuple(grads)
+
+
+class _Runner:
+    """Generated code for one pattern of ``requires_grad`` of inputs and parameters."""
+
+    def __init__(self, module: "CompiledModule", input_requires_grad: list[bool], parameter_requires_grad: list[bool]):
+        graph = module.graph
+        captured = graph.captured
+        self.input_names = [name for name in captured.inputs if name is not None]
+        self.input_count = len(self.input_names)
+        self.input_requires_grad = input_requires_grad
+        self.parameter_count = len(module._parameter_refs)
+        requires: dict[str, bool] = {}
+        for name, flag in zip(self.input_names, input_requires_grad):
+            requires[name] = flag
+        for (name, _module, _attribute), flag in zip(module._parameter_refs, parameter_requires_grad):
+            requires[name] = flag
+        # views of globals require grad when their base does
+        for line in graph.global_views:
+            requires[line.name] = any(requires.get(arg.name, False) for arg in line.all_input_nodes)
+            graph.owner.setdefault(line.name, line.name)
+        self.infos = node_infos(graph, requires)
+        rng_get, rng_set = _rng_helpers(module.device)
+        helpers = {
+            "rng_get": rng_get,
+            "rng_set": rng_set,
+            "run_backward": _run_backward,
+            "backward_outputs": _backward_outputs,
+            "no_grad": torch.no_grad,
+        }
+        self.code: GeneratedCode = generate(
+            graph, module.schedule, self.infos, input_requires_grad, helpers, module.device
+        )
+        self.module = module
+
+    def new_state(self) -> StepState:
+        saved = SavedTensors()
+        saved.register_globals(self.module._global_tensors())
+        return StepState(saved)
+
+
+class CompiledModule(nn.Module):
+    """``model`` executed by ``schedule``: same outputs, gradients and buffer updates.
+
+    Parameters
+    ----------
+    model:
+        The original module. It stays a submodule: its parameters and buffers are used (and
+        updated) in place, and it runs as is in ``eval()`` mode or under ``torch.no_grad()``.
+    graph:
+        The simplified graph of ``model`` on ``sample`` (:func:`rkgb.simplify.simplify`).
+    schedule:
+        Operations on the graph's CD-graph names (``fwd_x``, ``bwd_x``, ``loss``, ``x.data``,
+        ``x.grad``, ``x.phantoms``); see :mod:`solvers.schedule`.
+    sample:
+        The sample the graph was captured on: calls must have the same shapes and dtypes.
+
+    Raises
+    ------
+    exec.codegen.ScheduleError
+        The schedule names an unknown node or runs a backward without an autograd graph.
+    """
+
+    def __init__(self, model: nn.Module, graph: SimplifiedGraph, schedule: Schedule, sample) -> None:
+        super().__init__()
+        self.model = model
+        self.graph = graph
+        self.schedule = schedule
+        sample = as_input_tuple(sample)
+        captured = graph.captured
+        self._sample_signature = [
+            (tuple(value.shape), value.dtype, value.device) if isinstance(value, torch.Tensor) else value
+            for value in sample
+        ]
+        tensors = [value for value in sample if isinstance(value, torch.Tensor)]
+        self.device = tensors[0].device if tensors else next(model.parameters()).device
+        # (placeholder, owning module, attribute) of every parameter, buffer
+        self._parameter_refs = [(name, *self._owner_of(path)) for name, path in captured.parameters.items()]
+        self._buffer_refs = [(name, *self._owner_of(path)) for name, path in captured.buffers.items()]
+        self._runners: dict[tuple, _Runner] = {}
+        self._runner(
+            [bool(t.requires_grad) for t in tensors],
+            [bool(getattr(m, a).requires_grad) for _, m, a in self._parameter_refs],
+        )
+
+    def _owner_of(self, path: str) -> tuple[nn.Module, str]:
+        module_path, _, attribute = path.rpartition(".")
+        return self.model.get_submodule(module_path), attribute
+
+    def _runner(self, input_requires_grad: list[bool], parameter_requires_grad: list[bool]) -> _Runner:
+        key = (tuple(input_requires_grad), tuple(parameter_requires_grad))
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = self._runners[key] = _Runner(self, input_requires_grad, parameter_requires_grad)
+        return runner
+
+    def _global_tensors(self) -> list[torch.Tensor]:
+        tensors = [getattr(m, a) for _, m, a in self._parameter_refs]
+        tensors += [getattr(m, a) for _, m, a in self._buffer_refs]
+        tensors += list(self.graph.captured.constants.values())
+        return tensors
+
+    @property
+    def code(self) -> str:
+        """The generated source of the schedule (for the sample's ``requires_grad`` pattern)."""
+        return next(iter(self._runners.values())).code.source
+
+    def _check_inputs(self, args: tuple) -> None:
+        if len(args) != len(self._sample_signature):
+            raise ValueError(
+                f"Rockmate expected {len(self._sample_signature)} positional inputs, received "
+                f"{len(args)}; Rockmate must be rebuilt for a new input signature"
+            )
+        for index, (value, expected) in enumerate(zip(args, self._sample_signature)):
+            if isinstance(value, torch.Tensor) and isinstance(expected, tuple):
+                received = (tuple(value.shape), value.dtype, value.device)
+                if received != expected:
+                    raise ValueError(
+                        f"Rockmate: input {index} has shape {list(received[0])}, dtype "
+                        f"{received[1]}, device {received[2]}, but the module was compiled for "
+                        f"shape {list(expected[0])}, dtype {expected[1]}, device {expected[2]}; "
+                        "Rockmate must be rebuilt for new shapes"
+                    )
+            elif isinstance(value, torch.Tensor) or isinstance(expected, tuple) or value != expected:
+                raise ValueError(
+                    f"Rockmate: input {index} is {value!r} but the module was compiled for "
+                    f"{expected!r}; Rockmate must be rebuilt for new non-tensor inputs"
+                )
+
+    def forward(self, *args):
+        if not (self.training and self.model.training and torch.is_grad_enabled()):
+            return self.model(*args)
+        self._check_inputs(args)
+        tensors = [value for value in args if isinstance(value, torch.Tensor)]
+        parameters = [getattr(m, a) for _, m, a in self._parameter_refs]
+        runner = self._runner(
+            [bool(t.requires_grad) for t in tensors], [bool(p.requires_grad) for p in parameters]
+        )
+        self._bind_globals(runner)
+        outputs = _ScheduleFunction.apply(runner, *tensors, *parameters)
+        if self.graph.captured.output_is_tuple:
+            return tuple(outputs)
+        return outputs[0]
+
+    def _bind_globals(self, runner: _Runner) -> None:
+        """Bind the current parameter and buffer tensors (a module may have replaced one)."""
+        namespace = runner.code.globals
+        for name, module, attribute in self._parameter_refs:
+            namespace[name] = getattr(module, attribute)
+        for name, module, attribute in self._buffer_refs:
+            namespace[name] = getattr(module, attribute)
+        for name, value in self.graph.captured.constants.items():
+            namespace[name] = value
