@@ -120,11 +120,13 @@ class AllocationTracker(TorchDispatchMode):
     -----------------
     Dispatch-mode tracking sees only the storages that come out of dispatched ops:
 
-    - Memory that a kernel allocates internally and frees before it returns (workspaces of
-      oneDNN/cuDNN convolutions, ``.contiguous()`` copies made inside a kernel, the buffers of
-      a composite kernel's sub-ops, which run below the dispatch mode) is invisible. The
-      peak reported is therefore a lower bound of the allocator's peak by the largest such
-      temporary.
+    - Memory that a kernel allocates internally and frees before it returns (im2col columns
+      of CPU convolutions, oneDNN/cuDNN workspaces, ``.contiguous()`` copies made inside a
+      kernel, the buffers of a kernel's sub-ops, which run below the dispatch mode) is
+      invisible. The peak reported is therefore a lower bound of the allocator's peak; on
+      CPU, :func:`measure_allocator_peak` gives the allocator's figure. On a training step of
+      the tiny models of the test zoo the two agree exactly, except with convolutions (ResNet
+      157000 vs 202312 bytes, U-Net 314632 vs 340168) and by 16 bytes on the GPT.
     - ``UntypedStorage.resize_`` called directly (not ``Tensor.resize_``) is not an op: a
       storage shrunk or grown that way keeps its recorded size until it dies.
     - Tensors made outside dispatch are not seen until an op returns them: ``torch.tensor``,
