@@ -223,7 +223,9 @@ class AllocationTracker(TorchDispatchMode):
             self.events.append(AllocationEvent(op, key, delta, self.current_bytes, freed))
 
 
-def measure_peak(fn: Callable[..., Any], *args: Any, device: torch.device | str | None = None) -> int:
+def measure_peak(
+    fn: Callable[..., Any], *args: Any, device: torch.device | str | None = None
+) -> int:
     """Run ``fn(*args)`` and return the peak of the bytes allocated above those at the start.
 
     On CUDA (``device``, or else the device of the first CUDA tensor in ``args``), the figure is
