@@ -1,0 +1,138 @@
+"""Rockmate(model, sample, budget) on the zoo: bitwise-exact training and the budget promise."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rkgb.memory import AllocationTracker
+from rockmate import InfeasibleBudget, Rockmate, min_budget, parse_budget
+from zoo import ZOO, weighted_loss
+
+STEPS = 3
+
+
+def _eager_peak(model, sample) -> int:
+    model = copy.deepcopy(model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with AllocationTracker() as tracker:
+        weighted_loss(model(*sample)).backward()
+    return tracker.peak_bytes
+
+
+def _train(module, params, sample, steps, seed):
+    """Run ``steps`` SGD steps; returns the outputs, grads and peak bytes of each step."""
+    optimizer = torch.optim.SGD(params, lr=0.05)
+    torch.manual_seed(seed)
+    history = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=False)
+        with AllocationTracker() as tracker:
+            outputs = module(*sample)
+            weighted_loss(outputs).backward()
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        history.append(([o.detach().clone() for o in outs], [p.grad.clone() for p in params], tracker.peak_bytes))
+        optimizer.step()
+    return history
+
+
+def _check_exact_training(name, dtype, fraction, solver, **build):
+    entry = ZOO[name]
+    model, sample = entry.build(dtype=dtype, **build)
+    reference = copy.deepcopy(model)
+    for p in list(model.parameters()) + list(reference.parameters()):
+        p.grad = torch.zeros_like(p)
+    peak = _eager_peak(model, sample)
+    budget = int(peak * fraction)
+    try:
+        compiled = Rockmate(model, sample, budget, solver=solver, cost_model="flops")
+    except InfeasibleBudget as error:
+        assert error.minimum is not None and error.minimum > budget
+        assert str(error.minimum) in str(error)
+        return None
+    expected = _train(reference, list(reference.parameters()), sample, STEPS, seed=1)
+    got = _train(compiled, list(model.parameters()), sample, STEPS, seed=1)
+    for (out_e, grad_e, _), (out_g, grad_g, peak_g) in zip(expected, got):
+        assert all(torch.equal(a, b) for a, b in zip(out_e, out_g))
+        assert all(torch.equal(a, b) for a, b in zip(grad_e, grad_g))
+        assert peak_g <= budget, (peak_g, budget)
+        assert abs(peak_g - compiled.plan.predicted_peak) <= 0.05 * compiled.plan.predicted_peak, (
+            peak_g, compiled.plan.predicted_peak)
+    for (k, a), (_, b) in zip(reference.named_buffers(), model.named_buffers()):
+        assert torch.equal(a, b), k
+    return compiled
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.3])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_rockmate_is_exact_and_under_budget(name, fraction):
+    _check_exact_training(name, torch.float32, fraction, "rockmate")
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet", "mlp"])
+def test_float64(name):
+    _check_exact_training(name, torch.float64, 0.5, "rockmate")
+
+
+@pytest.mark.parametrize("solver", ["rotor", "none", "checkmate"])
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_other_solvers(name, solver):
+    _check_exact_training(name, torch.float32, 1.0 if solver == "none" else 0.6, solver, **({"n_layer": 1} if name == "gpt" else {}))
+
+
+def test_infeasible_budget_gives_the_minimum():
+    model, sample = ZOO["gpt"].build()
+    minimum = min_budget(model, sample, cost_model="flops")
+    with pytest.raises(InfeasibleBudget) as info:
+        Rockmate(model, sample, minimum // 2, cost_model="flops")
+    assert info.value.minimum == minimum
+    compiled = Rockmate(model, sample, minimum, cost_model="flops")
+    assert compiled.plan.predicted_peak <= minimum
+
+
+def test_budget_strings():
+    assert parse_budget("300MiB") == 300 * 2**20
+    assert parse_budget("1.5GB") == 1_500_000_000
+    assert parse_budget(1024) == 1024
+    with pytest.raises(ValueError, match="MiB"):
+        parse_budget("lots")
+    with pytest.raises(ValueError):
+        parse_budget(-5)
+
+
+def test_eval_and_no_grad_run_the_plain_model():
+    model, sample = ZOO["gpt"].build()
+    compiled = Rockmate(model, sample, 10**9, cost_model="flops")
+    compiled.eval()
+    assert torch.equal(compiled(*sample), model(*sample))
+    compiled.train()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a = compiled(*sample)
+        torch.manual_seed(0)
+        b = model(*sample)
+    assert torch.equal(a, b)
+
+
+def test_wrong_input_shape_is_a_clear_error():
+    model, sample = ZOO["mlp"].build()
+    compiled = Rockmate(model, sample, 10**9, cost_model="flops")
+    bad = torch.randn(sample[0].shape[0] + 1, *sample[0].shape[1:])
+    with pytest.raises(ValueError, match="shape"):
+        compiled(bad)
+
+
+def test_code_is_readable_and_render_writes_files(tmp_path):
+    import shutil
+
+    model, sample = ZOO["gpt"].build()
+    compiled = Rockmate(model, sample, 10**9, cost_model="flops")
+    assert "aten.linear" in compiled.code
+    if shutil.which("dot") is None:
+        pytest.skip("graphviz's dot is not installed (apt-get install graphviz)")
+    written = compiled.render(tmp_path)
+    assert any(path.endswith("forward.svg") for path in written)
+    assert all((tmp_path / p).exists() or __import__("os").path.exists(p) for p in written)
