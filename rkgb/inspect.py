@@ -224,7 +224,8 @@ def _synthesize_input(graph: SimplifiedGraph, block: Block, env, device) -> None
     for output in node.outputs:
         env[output.fx_name] = torch.randn(output.shape, dtype=output.dtype, device=device, generator=generator)
     outputs = {o.fx_name for o in node.outputs}
-    run_lines([line for line in node.body if line.name not in outputs], env)
+    views = [line for line in node.body if line.name not in outputs and node.main not in line.all_input_nodes]
+    run_lines(views, env)
 
 
 def _drop(node: SimplifiedNode, env) -> None:
