@@ -46,20 +46,24 @@ class ScheduleError(ValueError):
 class NodeInfo:
     """What the code generator needs to know about one simplified node.
 
-    ``outputs``: fx names of the tensors it allocates that are used (each gets a leaf);
-    ``output_index``: for a multi-output operation, the index of each output in the result
-    tuple (None for a single tensor result). ``requires_grad``: whether its outputs depend on a
-    tensor that requires grad (otherwise it has no island and no backward).
+    ``exported``: fx names of the node's tensors that other nodes (or the model's outputs)
+    read: its result or views of it. Each gets a leaf (``s.<name>``) whose gradient is
+    collected as is, so that a node's backward receives the same gradients as in eager PyTorch
+    (summed at the same place, in the same layout). ``requires_grad``: whether the node's
+    outputs depend on a tensor that requires grad (otherwise it has no island and no backward).
+    ``updates``: fx name of a result -> buffer path it is the new value of.
     """
 
     node: SimplifiedNode
-    outputs: list[str]
-    output_index: dict[str, int | None]
+    exported: list[str]
     requires_grad: bool
-    island_lines: list[torch.fx.Node] = field(default_factory=list)  # getitems of the main result
-    view_lines: list[torch.fx.Node] = field(default_factory=list)  # views of the leaves
-    update_lines: list[torch.fx.Node] = field(default_factory=list)  # getitems for buffer updates
-    placeholders: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    exported_requires_grad: dict[str, bool]
+    metadata: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    updates: dict[str, str]
+
+
+def _floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
 
 
 def node_infos(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) -> dict[str, NodeInfo]:
@@ -70,9 +74,9 @@ def node_infos(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) ->
     """
     infos: dict[str, NodeInfo] = {}
     owner = graph.owner
+    user_outputs = set(graph.outputs)
     for node in graph.nodes:
-        outputs = [o.fx_name for o in node.outputs]
-        floating = any(o.dtype.is_floating_point or o.dtype.is_complex for o in node.outputs)
+        floating = any(_floating(o.dtype) for o in node.outputs)
         reads_grad = False
         for line in node.prelude + [node.main]:
             for arg in line.all_input_nodes:
@@ -81,28 +85,27 @@ def node_infos(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) ->
                     reads_grad |= infos[holder].requires_grad
                 elif holder is not None:
                     reads_grad |= global_requires_grad.get(holder, False)
-        info = NodeInfo(
+        requires_grad = reads_grad and floating
+        own = {line.name for line in node.lines}
+        exported, metadata, exported_rg = [], {}, {}
+        for line in [node.main] + node.body:
+            if line.name in node.buffer_updates:
+                continue
+            if line.name in user_outputs or any(user.name not in own for user in line.users):
+                value = line.meta.get("val")
+                if not isinstance(value, torch.Tensor):
+                    continue  # a shape read by another node: not data
+                exported.append(line.name)
+                metadata[line.name] = (tuple(int(d) for d in value.shape), value.dtype)
+                exported_rg[line.name] = requires_grad and _floating(value.dtype)
+        infos[node.name] = NodeInfo(
             node=node,
-            outputs=outputs,
-            output_index={},
-            requires_grad=reads_grad and floating,
+            exported=exported,
+            requires_grad=requires_grad,
+            exported_requires_grad=exported_rg,
+            metadata=metadata,
+            updates=dict(node.buffer_updates),
         )
-        for line in node.body:
-            is_main_getitem = line.target is operator.getitem and line.args[0] is node.main
-            if is_main_getitem and line.name in outputs:
-                info.island_lines.append(line)
-                info.output_index[line.name] = line.args[1]
-            elif is_main_getitem and line.name in node.buffer_updates:
-                info.update_lines.append(line)
-            elif is_main_getitem:
-                continue  # an unused result of the main operation (saved by autograd or dropped)
-            else:
-                info.view_lines.append(line)
-        if node.main.name in outputs:
-            info.output_index[node.main.name] = None
-        for output in node.outputs:
-            info.placeholders[output.fx_name] = (output.shape, output.dtype)
-        infos[node.name] = info
     return infos
 
 
@@ -162,14 +165,14 @@ class _Generator:
         self.global_placeholders = set(captured.parameters) | set(captured.buffers) | set(captured.constants)
         self.state_names = {n.name for n in graph.global_views} | set(self.input_names)
         for info in infos.values():
-            self.state_names |= set(info.outputs) | {line.name for line in info.view_lines}
+            self.state_names |= set(info.exported)
         self.computed: set[str] = set()  # nodes computed at least once this step
         self.has_graph: set[str] = set()  # nodes with an unconsumed autograd island
         self.local_values: dict[str, str] = {}  # fx name -> local expression (prelude values)
         self.island_names: dict[str, str] = {}
         taken = set(graph.owner) | {n.name for n in graph.captured.graph.nodes}
         for info in infos.values():
-            for out in info.outputs:
+            for out in info.exported:
                 name = "_" + out
                 while name in taken:
                     name = "_" + name
@@ -253,55 +256,54 @@ class _Generator:
                 w(f"s.rng_{name} = rng_get()")
             else:
                 w(f"rng_outer = rng_get(); rng_set(s.rng_{name})")
-        main = node.main.name
-        result = self.island_names[main] if main in self.island_names else main
-        if with_grad:
-            w(f"with island({name!r}):")
-        else:
-            w("with no_grad():")
+        w(f"with island({name!r}):" if with_grad else "with no_grad():")
         w.indent += 1
         self.local_values = {}
-        for line in node.prelude:
+        local_names = []
+        for line in node.lines:
+            if line.name in info.updates:
+                if not first:
+                    continue
+                buffer = self._buffer_global(info.updates[line.name])
+                variable = f"new_{buffer}"
+                self.buffer_updates.append((buffer, variable))
+                w(f"{variable} = {self.call(line)}")
+                continue
             w(f"{line.name} = {self.call(line)}")
             self.local_values[line.name] = line.name
-        w(f"{result} = {self.call(node.main)}")
-        self.local_values[node.main.name] = result
+            local_names.append(line.name)
         w.indent -= 1
-        island_of = {}
-        for out in info.outputs:
-            index = info.output_index[out]
-            island_of[out] = result if index is None else f"{result}[{index}]"
-        if first:
-            for line in info.update_lines:
-                w(f"{line.name} = {result}[{line.args[1]}]  # new value of {node.buffer_updates[line.name]}")
-                self.buffer_updates.append((self._buffer_global(node.buffer_updates[line.name]), line.name))
-            if node.main.name in node.buffer_updates:
-                self.buffer_updates.append((self._buffer_global(node.buffer_updates[node.main.name]), result))
         if node.is_random and not first:
             w("rng_set(rng_outer)")
-        outs = info.outputs
+        exported = info.exported
         if with_grad:
-            for out in outs:
-                w(f"s.{self.island_names[out]} = {island_of[out]}")
-            w(f"finish_island({name!r}, ({''.join(f's.{self.island_names[o]}, ' for o in outs)}))")
+            for out in exported:
+                w(f"s.{self.island_names[out]} = {out}")
+            w(f"finish_island({name!r}, {self.tuple(f's.{self.island_names[o]}' for o in exported)})")
             self.has_graph.add(name)
-        for out in outs:
-            island = f"s.{self.island_names[out]}" if with_grad else island_of[out]
+        for out in exported:
+            value = f"s.{self.island_names[out]}" if with_grad else out
             if first:
-                leaf = f"{island}.detach()" if with_grad else island
-                if info.requires_grad:
-                    leaf += ".requires_grad_()"
-                w(f"s.{out} = {leaf}")
+                if info.exported_requires_grad[out]:
+                    leaf = f"{value}.detach().requires_grad_()" if with_grad else f"{value}.requires_grad_()"
+                    w(f"s.{out} = {leaf}; s.sink_{out} = grad_sink(s.{out})")
+                else:
+                    w(f"s.{out} = {value}.detach()" if with_grad else f"s.{out} = {value}")
             else:
-                w(f"s.{out}.data = {island}")
+                w(f"s.{out}.data = {value}")
             if with_grad:
-                w(f"{island}.data = {self.placeholder(name, out)}")
-        if outs:
-            w(f"register_data({name!r}, ({''.join(f's.{o}, ' for o in outs)}))")
+                w(f"{value}.data = {self.placeholder(name, out)}")
+        if exported:
+            w(f"register_data({name!r}, {self.tuple(f's.{o}' for o in exported)})")
+        if local_names:
+            w(f"del {', '.join(local_names)}")
         self.local_values = {}
-        for line in info.view_lines:
-            w(f"s.{line.name} = {self.call(line)}")
         self.computed.add(name)
+
+    @staticmethod
+    def tuple(items) -> str:
+        items = list(items)
+        return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
 
     def _buffer_global(self, path: str) -> str:
         for placeholder, buffer_path in self.graph.captured.buffers.items():
@@ -312,7 +314,7 @@ class _Generator:
     def placeholder(self, name: str, out: str) -> str:
         global_name = f"placeholder_{out}"
         if global_name not in self.globals:
-            shape, dtype = self.infos[name].placeholders[out]
+            shape, dtype = self.infos[name].metadata[out]
             self.globals[global_name] = torch.empty((), dtype=dtype, device=self.device).expand(shape)
         return global_name
 
@@ -327,16 +329,16 @@ class _Generator:
                 f"bwd_{name} runs while {name} has no autograd graph: the schedule must run "
                 f"Compute('fwd_{name}', with_grad=True) after the previous bwd_{name}"
             )
-        outs = info.outputs
+        outs = [o for o in info.exported if info.exported_requires_grad[o]]
         if len(outs) == 1:
             out = outs[0]
             w(f"if s.{out}.grad is not None:")
             w(f"    run_backward((s.{self.island_names[out]},), (s.{out}.grad,))")
-        else:
-            islands = "".join(f"s.{self.island_names[o]}, " for o in outs)
-            grads = "".join(f"s.{o}.grad, " for o in outs)
-            w(f"backward_outputs(({islands}), ({grads}))")
-        for out in outs:
+        elif outs:
+            islands = self.tuple(f"s.{self.island_names[o]}" for o in outs)
+            grads = self.tuple(f"s.{o}.grad" for o in outs)
+            w(f"backward_outputs({islands}, {grads})")
+        for out in info.exported:
             w(f"s.{self.island_names[out]} = None")
         self.has_graph.discard(name)
 
@@ -351,13 +353,12 @@ class _Generator:
         w.comment(f"forget {data_node}")
         if kind == "data":
             w(f"unregister_data({name!r})")
-            for out in info.outputs:
+            for out in info.exported:
                 w(f"s.{out}.data = {self.placeholder(name, out)}")
-            for line in info.view_lines:
-                w(f"s.{line.name} = None")
         elif kind == "grad":
-            for out in info.outputs:
-                w(f"s.{out}.grad = None")
+            for out in info.exported:
+                if info.exported_requires_grad[out]:
+                    w(f"s.{out}.grad = None")
         else:
             w(f"free_phantoms({name!r})")
 
@@ -398,6 +399,7 @@ class _Generator:
             w("with no_grad():")
             for buffer, value in self.buffer_updates:
                 w(f"    {buffer}.copy_({value})")
+            w(f"del {', '.join(value for _, value in self.buffer_updates)}")
         outputs = [self.ref(name) for name in self.graph.outputs]
         for name in self.graph.outputs:
             if self.graph.owner.get(name) in self.infos and self.graph.owner[name] not in self.computed:

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
 from rkgb.saved import SavedTensors
@@ -52,6 +53,39 @@ def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Ten
             root_grads.append(grad)
     if roots:
         torch.autograd.backward(roots, root_grads)
+
+
+class _GradSink:
+    """Collects the gradient of a node's leaf as eager PyTorch's ``InputBuffer`` would.
+
+    A pre-hook on the leaf's ``AccumulateGrad`` node: it stores the first contribution as is
+    (no copy into the leaf's layout, unlike ``AccumulateGrad``), adds later ones, and tells
+    ``AccumulateGrad`` to do nothing. The node's backward then receives exactly the gradient
+    that eager PyTorch would pass to it, in the same memory layout, so that reductions in
+    that backward (a bias gradient) round identically.
+    """
+
+    __slots__ = ("leaf", "owned", "node")
+
+    def __init__(self, leaf: torch.Tensor) -> None:
+        self.leaf = leaf
+        self.owned = False
+        self.node = get_gradient_edge(leaf).node
+        self.node.register_prehook(self)
+
+    def __call__(self, grad_outputs):
+        grad = grad_outputs[0]
+        if grad is not None:
+            old = self.leaf.grad
+            if old is None:
+                self.leaf.grad = grad
+                self.owned = False
+            elif self.owned:
+                old.add_(grad)
+            else:
+                self.leaf.grad = old + grad
+                self.owned = True
+        return (None,)
 
 
 def _rng_helpers(device: torch.device):
@@ -128,6 +162,7 @@ class _Runner:
             "run_backward": _run_backward,
             "backward_outputs": _backward_outputs,
             "no_grad": torch.no_grad,
+            "grad_sink": _GradSink,
         }
         self.code: GeneratedCode = generate(
             graph, module.schedule, self.infos, input_requires_grad, helpers, module.device
