@@ -223,9 +223,13 @@ def _synthesize_input(graph: SimplifiedGraph, block: Block, env, device) -> None
     generator = torch.Generator(device=device).manual_seed(block.index)
     for output in node.outputs:
         env[output.fx_name] = torch.randn(output.shape, dtype=output.dtype, device=device, generator=generator)
+    run_lines(_view_lines(node), env)
+
+
+def _view_lines(node: SimplifiedNode) -> list:
+    """The body lines that rebuild views from the node's outputs (not its getitems)."""
     outputs = {o.fx_name for o in node.outputs}
-    views = [line for line in node.body if line.name not in outputs and node.main not in line.all_input_nodes]
-    run_lines(views, env)
+    return [line for line in node.body if line.name not in outputs and node.main not in line.all_input_nodes]
 
 
 def _drop(node: SimplifiedNode, env) -> None:
@@ -255,7 +259,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         leaves[node.name] = made
         saved.register_data(node.name, made)
         with torch.enable_grad():
-            run_lines([line for line in node.body if line.name not in {o.fx_name for o in node.outputs}], env)
+            run_lines(_view_lines(node), env)
 
     input_bytes, input_requires_grad = 0, False
     if block.input_node is not None:
