@@ -16,6 +16,7 @@ through :class:`rkgb.saved.SavedTensors`. For each simplified node ``x`` we meas
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -229,7 +230,11 @@ def _synthesize_input(graph: SimplifiedGraph, block: Block, env, device) -> None
 def _view_lines(node: SimplifiedNode) -> list:
     """The body lines that rebuild views from the node's outputs (not its getitems)."""
     outputs = {o.fx_name for o in node.outputs}
-    return [line for line in node.body if line.name not in outputs and node.main not in line.all_input_nodes]
+    return [
+        line
+        for line in node.body
+        if line.name not in outputs and not (line.target is operator.getitem and line.args[0] is node.main)
+    ]
 
 
 def _drop(node: SimplifiedNode, env) -> None:
