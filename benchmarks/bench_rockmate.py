@@ -1,0 +1,83 @@
+"""End-to-end benchmark: Rockmate against eager PyTorch on the GPT-like benchmark model.
+
+For budgets of 100% (no recomputation needed) and 50% of eager's activation peak, prints the
+budget, predicted and measured peak, predicted and measured step time, and eager's step time.
+One thread; runs of eager and Rockmate are interleaved; medians and ratios are reported.
+
+    .venv/bin/python benchmarks/bench_rockmate.py [--preset bench] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from rkgb.memory import AllocationTracker  # noqa: E402
+from rockmate import Rockmate, format_bytes  # noqa: E402
+from zoo import ZOO  # noqa: E402
+
+
+def _loss(outputs):
+    return outputs.float().pow(2).mean()
+
+
+def _step(module, sample, track: bool):
+    """One forward + backward; (seconds, peak bytes or None)."""
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    start = time.perf_counter()
+    if track:
+        with AllocationTracker() as tracker:
+            _loss(module(*sample)).backward()
+        return time.perf_counter() - start, tracker.peak_bytes
+    _loss(module(*sample)).backward()
+    return time.perf_counter() - start, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5])
+    parser.add_argument("--solver", default="rockmate")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, sample = ZOO["gpt"].build(args.preset)
+    eager = copy.deepcopy(model)
+    for p in list(model.parameters()) + list(eager.parameters()):
+        p.grad = torch.zeros_like(p)
+    _step(eager, sample, False)
+    _, eager_peak = _step(eager, sample, True)
+    config = ZOO["gpt"].config(args.preset)
+    print(f"GPT-like '{args.preset}': {config}; eager activation peak {format_bytes(eager_peak)}; 1 thread")
+    print(f"{'budget':>12} {'pred peak':>11} {'meas peak':>11} {'pred ms':>8} {'meas ms':>8} "
+          f"{'eager ms':>8} {'ratio':>6} {'plan s':>7}")
+    for fraction in args.fractions:
+        budget = int(eager_peak * fraction)
+        start = time.perf_counter()
+        compiled = Rockmate(model, sample, budget, solver=args.solver)
+        plan_s = time.perf_counter() - start
+        _step(compiled, sample, False)
+        _, measured_peak = _step(compiled, sample, True)
+        eager_times, rock_times = [], []
+        for _ in range(args.steps):
+            eager_times.append(_step(eager, sample, False)[0])
+            rock_times.append(_step(compiled, sample, False)[0])
+        e, r = statistics.median(eager_times), statistics.median(rock_times)
+        print(f"{format_bytes(budget):>12} {format_bytes(compiled.plan.predicted_peak):>11} "
+              f"{format_bytes(measured_peak):>11} {compiled.plan.predicted_time * 1e3:>8.1f} {r * 1e3:>8.1f} "
+              f"{e * 1e3:>8.1f} {r / e:>6.3f} {plan_s:>7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
