@@ -1,0 +1,342 @@
+"""rk-Checkmate: the ILP that schedules one CD-graph under a peak budget and a save budget.
+
+Checkmate (Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
+Rematerialization", MLSys 2020) schedules a graph in *frontier-advancing stages*: stage ``t``
+runs node ``t`` for the first time, after optionally re-running earlier nodes. Rockmate
+(Zhao et al., ICML 2023, section 4.1) adapts it to CD-graphs; so does this formulation:
+
+- compute nodes are listed forwards, loss, backwards; stage ``t`` runs compute node ``t``
+  last, after optional recomputations of forward nodes ``k < t`` (every forward node in a
+  backward stage; none in the loss stage; none in forward stages when
+  ``forward_recompute=False``). The loss and each backward run exactly once, in their stage;
+- C-node executions (binary ``R[t, k]``) are separate from D-node liveness: ``S[t, d]`` (alive
+  at the start of stage ``t``) and frees ``F[t, k, d]`` right after each operation ``k`` that
+  reads or produces ``d``; a node with several outputs frees each on its own;
+- a forward keeps its phantoms only if ``W[t, k]`` (``with_grad``); a backward consumes them;
+- the memory while operation ``k`` of stage ``t`` runs is what is alive plus ``k``'s
+  temporary memory and every data node it produces; it is bounded by the peak budget;
+- what is alive when the loss runs is bounded by the save budget (what the block keeps for
+  its backward);
+- objective: the time of the recomputations.
+
+Only ``R`` is integer. ``S``, ``W`` and ``F`` may be continuous: a data node is read only when
+its liveness is exactly 1 and liveness only decreases between productions, so a fractional value
+can only appear where the node is not needed, where it overestimates the memory. With integer
+``R`` the feasible sequences of computes are exactly those whose greedy schedule
+(:func:`solvers.simulate.schedule_from_computes`: forget after the last use) fits the budgets;
+the solution is turned into that schedule and measured by the simulator.
+
+Data produced only by backward nodes and the loss (gradients) have a fixed liveness, as the
+stage of every backward is fixed: they enter the model as constants. Data nodes and
+recomputations that no later stage can use are not created.
+
+The model is built once per graph; the budgets are the bounds of two variables, so a new pair
+of budgets only changes two bounds before a re-solve.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pulp
+
+from rkgb.cdgraph import CDGraph, ComputeKind, DataKind
+from solvers.simulate import effective_needs, operation_outputs, phantoms_of
+
+__all__ = ["ILPSolution", "RkCheckmateILP", "make_pulp_solver", "highs_available"]
+
+
+def highs_available() -> bool:
+    """Whether the HiGHS solver (``pip install highspy``) can be used through pulp."""
+    try:
+        import highspy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0) -> pulp.LpSolver:
+    """A pulp solver by name: ``"cbc"`` (bundled) or ``"highs"`` (needs ``highspy``)."""
+    if name == "cbc":
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1)
+    if name == "highs":
+        if not highs_available():
+            raise ImportError("solver='highs' needs the highspy package: pip install highspy")
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1)
+    raise ValueError(f"ilp_solver must be 'cbc' or 'highs', got {name!r}")
+
+
+@dataclass
+class ILPSolution:
+    """A solution: the computes in order (``computes``), or ``feasible=False``."""
+
+    feasible: bool
+    computes: list[str] = field(default_factory=list)
+    objective: float = 0.0
+    status: str = ""
+    time_limit_hit: bool = False
+    solve_time_s: float = 0.0
+
+
+class RkCheckmateILP:
+    """The rk-Checkmate model of one CD-graph, built once and re-solved for many budgets.
+
+    Parameters
+    ----------
+    graph
+        The CD-graph (a block's class graph, or a whole model's graph).
+    keep_outputs
+        The graph's output data must be alive at the end (a whole model).
+    forward_recompute
+        Allow recomputations in the forward stages (Checkmate does; they only lower the
+        forward peak and cost variables).
+    memory_unit_bytes
+        Bytes per unit of memory in the model (numbers are kept near 1e3 for the solver).
+    """
+
+    def __init__(
+        self,
+        graph: CDGraph,
+        *,
+        keep_outputs: bool = False,
+        forward_recompute: bool = True,
+        memory_unit_bytes: float = 1.0,
+    ) -> None:
+        self.graph = graph
+        self.keep_outputs = keep_outputs
+        self.unit = float(memory_unit_bytes)
+        nodes = graph.compute_nodes
+        self.nodes = nodes
+        stage = {c.name: i for i, c in enumerate(nodes)}
+        n_stages = len(nodes)
+        loss = stage["loss"]
+        self.loss_stage = loss
+        forwards = [i for i, c in enumerate(nodes) if c.kind is ComputeKind.FORWARD]
+        inputs = set(graph.input_data)
+        keep = set(graph.output_data) if keep_outputs else set()
+        protected = set(graph.input_grads) | keep
+
+        # which data have a variable liveness (made by forwards) and who makes / reads them
+        producer: dict[str, int] = {}
+        for k in forwards:
+            for d in operation_outputs(graph, nodes[k], True):
+                if d in producer:
+                    raise ValueError(f"{graph.name}: data node {d!r} has two forward producers")
+                producer[d] = k
+        needs_of = [set(effective_needs(graph, c)) for c in nodes]
+        outputs_of = [operation_outputs(graph, c, True) for c in nodes]
+        data_index = {d.name: i for i, d in enumerate(graph.data_nodes)}
+        users: dict[str, list[int]] = {}
+        for i, c in enumerate(nodes):
+            for d in needs_of[i]:
+                users.setdefault(d, []).append(i)
+        # last stage at which each forward's outputs / each data can be needed
+        last_needed: dict[str, int] = {}
+        last_useful: dict[int, int] = {}
+        for k in reversed(forwards):
+            outs = operation_outputs(graph, nodes[k], True)
+            for d in outs:
+                ell = n_stages if d in keep else -1
+                for u in users.get(d, ()):
+                    ell = max(ell, last_useful[u] if nodes[u].kind is ComputeKind.FORWARD else u)
+                last_needed[d] = ell
+            last_useful[k] = max([k] + [last_needed[d] for d in outs])
+        self.last_needed = last_needed
+
+        # constant memory: data made by backwards / the loss, alive at the start of each stage
+        const_alive = [0.0] * (n_stages + 1)
+        for dnode in graph.data_nodes:
+            d = dnode.name
+            if d in producer or d in inputs or dnode.size_bytes == 0:
+                continue
+            made = [i for i, c in enumerate(nodes) if d in c.produces]
+            if not made:
+                continue
+            read = users.get(d, [])
+            end = n_stages if d in protected else max(read, default=-1)
+            for t in range(min(made) + 1, end + 1):
+                const_alive[t] += dnode.size_bytes / self.unit
+
+        prob = pulp.LpProblem(f"rk_checkmate_{graph.name}", pulp.LpMinimize)
+        self.prob = prob
+        self.peak_var = pulp.LpVariable("peak_budget", lowBound=0)
+        self.save_var = pulp.LpVariable("save_budget", lowBound=0)
+        size = {d.name: d.size_bytes / self.unit for d in graph.data_nodes}
+
+        # slots of each stage: (k, R variable or None when mandatory)
+        self.slots: list[list[tuple[int, pulp.LpVariable | None]]] = []
+        recompute_time = []
+        for t in range(n_stages):
+            slots: list[tuple[int, pulp.LpVariable | None]] = []
+            if t != loss and (t > loss or forward_recompute):
+                for k in forwards:
+                    if k >= t:
+                        break
+                    if last_useful[k] >= t:
+                        r = pulp.LpVariable(f"R_{t}_{k}", cat=pulp.LpBinary)
+                        slots.append((k, r))
+                        recompute_time.append(nodes[k].time_s * r)
+            slots.append((t, None))
+            self.slots.append(slots)
+
+        # S[t, d]: alive at the start of stage t, for producer(d) < t <= last_needed(d)
+        alive_at_start: dict[tuple[int, str], pulp.LpVariable] = {}
+        alive_by_stage: list[list[str]] = [[] for _ in range(n_stages)]
+        for d, p in producer.items():
+            for t in range(p + 1, min(last_needed[d], n_stages - 1) + 1):
+                alive_at_start[t, d] = pulp.LpVariable(f"S_{t}_{data_index[d]}", lowBound=0, upBound=1)
+                alive_by_stage[t].append(d)
+
+        def run(r: pulp.LpVariable | None) -> object:
+            return 1 if r is None else r
+
+        n_rows = 0
+        for t in range(n_stages):
+            slots = self.slots[t]
+            # with_grad variables of the forwards of this stage
+            with_grad: dict[int, object] = {}
+            for k, r in slots:
+                node = nodes[k]
+                if node.kind is not ComputeKind.FORWARD:
+                    continue
+                phantoms = phantoms_of(graph, node)
+                if phantoms is not None and last_needed.get(phantoms, -1) >= t:
+                    w = pulp.LpVariable(f"W_{t}_{k}", lowBound=0, upBound=1)
+                    if r is not None:
+                        prob += w <= r
+                        n_rows += 1
+                    with_grad[k] = w
+            # liveness of each variable data node along the stage, with its frees
+            frees: dict[int, list[tuple[str, pulp.LpVariable]]] = {k: [] for k, _ in slots}
+            touched = set(alive_by_stage[t])
+            for k, _ in slots:
+                touched.update(d for d in needs_of[k] if d in producer)
+                if nodes[k].kind is ComputeKind.FORWARD:
+                    touched.update(d for d in outputs_of[k] if d in producer)
+            for d in sorted(touched):
+                live: object = alive_at_start.get((t, d), 0)
+                live_is_zero = (t, d) not in alive_at_start
+                for k, r in slots:
+                    node = nodes[k]
+                    made = None
+                    if node.kind is ComputeKind.FORWARD and producer.get(d) == k:
+                        if graph.data(d).kind is DataKind.PHANTOMS:
+                            made = with_grad.get(k)
+                        else:
+                            made = run(r)
+                    if made is not None:
+                        if not live_is_zero:
+                            prob += live + made <= 1
+                            n_rows += 1
+                        live = live + made
+                        live_is_zero = False
+                    if d in needs_of[k]:
+                        if live_is_zero:
+                            raise ValueError(
+                                f"{graph.name}: {node.name!r} needs {d!r}, which cannot be alive at stage {t}"
+                            )
+                        prob += live >= run(r)
+                        n_rows += 1
+                    if not live_is_zero and d not in keep and (made is not None or d in needs_of[k]):
+                        f = pulp.LpVariable(f"F_{t}_{k}_{data_index[d]}", lowBound=0, upBound=1)
+                        frees[k].append((d, f))
+                        live = live - f
+                        prob += live >= 0
+                        n_rows += 1
+                if live_is_zero:
+                    continue
+                following = alive_at_start.get((t + 1, d))
+                if following is not None:
+                    prob += following == live
+                elif d in keep and t == n_stages - 1:
+                    prob += live == 1
+                else:
+                    prob += live == 0
+                n_rows += 1
+            # memory along the stage
+            before = pulp.LpVariable(f"U_{t}_start", lowBound=0)
+            prob += before == pulp.lpSum(size[d] * alive_at_start[t, d] for d in alive_by_stage[t])
+            if t == loss:
+                prob += before + const_alive[t] <= self.save_var
+            for i, (k, r) in enumerate(slots):
+                node = nodes[k]
+                x = run(r)
+                variable_made = []
+                constant_made = 0.0
+                for d in outputs_of[k]:
+                    if d in producer:
+                        made = with_grad.get(k) if graph.data(d).kind is DataKind.PHANTOMS else x
+                        if made is not None:
+                            variable_made.append(size[d] * made)
+                    else:
+                        constant_made += size[d]
+                during = before + (node.overhead_bytes / self.unit + constant_made) * x + pulp.lpSum(variable_made)
+                prob += during + const_alive[t] <= self.peak_var
+                n_rows += 2
+                if i + 1 < len(slots):
+                    after = pulp.LpVariable(f"U_{t}_{i}", lowBound=0)
+                    prob += after == before + pulp.lpSum(variable_made) - pulp.lpSum(
+                        size[d] * f for d, f in frees[k]
+                    )
+                    before = after
+        self.time_unit = max(sum(c.time_s for c in nodes), 1e-30) / 1000.0
+        self.time_objective = pulp.lpSum(recompute_time) * (1.0 / self.time_unit)
+        self.n_binaries = len(recompute_time)
+        self.n_rows = n_rows
+        self.mandatory_time = sum(c.time_s for c in nodes)
+
+    # ------------------------------------------------------------------------------------
+    def solve(
+        self,
+        peak_bytes: float | None,
+        save_bytes: float | None = None,
+        *,
+        objective: str = "time",
+        time_limit_s: float | None = 30.0,
+        solver: str = "cbc",
+        warm_start: bool = False,
+    ) -> ILPSolution:
+        """Solve for a peak budget and a save budget (bytes; None: unbounded).
+
+        ``objective="time"`` minimizes the recomputation time; ``"peak"`` minimizes the peak
+        (then ``peak_bytes`` is ignored), for the smallest budget the graph can meet.
+        """
+        self.peak_var.lowBound = 0
+        self.peak_var.upBound = None if (peak_bytes is None or objective == "peak") else peak_bytes / self.unit
+        self.save_var.upBound = None if save_bytes is None else save_bytes / self.unit
+        if objective == "time":
+            self.prob.setObjective(self.time_objective)
+        elif objective == "peak":
+            self.prob.setObjective(self.peak_var + 1e-4 * self.time_objective)
+        else:
+            raise ValueError(f"objective must be 'time' or 'peak', got {objective!r}")
+        backend = make_pulp_solver(solver, time_limit_s)
+        if warm_start and solver == "cbc":
+            backend.optionsDict["warmStart"] = True
+        start = time.perf_counter()
+        self.prob.solve(backend)
+        elapsed = time.perf_counter() - start
+        status = pulp.LpStatus[self.prob.status]
+        has_solution = self.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+        limit_hit = self.prob.sol_status == pulp.LpSolutionIntegerFeasible or (
+            time_limit_s is not None and elapsed >= time_limit_s * 0.98 and not has_solution
+            and status != "Infeasible"
+        )
+        if not has_solution:
+            return ILPSolution(False, status=status, time_limit_hit=limit_hit, solve_time_s=elapsed)
+        computes = []
+        for slots in self.slots:
+            for k, r in slots:
+                if r is None or (r.varValue is not None and r.varValue > 0.5):
+                    computes.append(self.nodes[k].name)
+        objective_value = pulp.value(self.prob.objective) or 0.0
+        return ILPSolution(
+            True,
+            computes=computes,
+            objective=objective_value,
+            status=status,
+            time_limit_hit=limit_hit,
+            solve_time_s=elapsed,
+        )
+
