@@ -1,0 +1,186 @@
+"""The executor: generated code, exactness against eager PyTorch, memory, errors."""
+
+from __future__ import annotations
+
+import copy
+import linecache
+
+import pytest
+import torch
+from conftest import seed_everything
+from zoo import ZOO, weighted_loss
+
+from exec import (
+    CompiledModule,
+    ScheduleError,
+    no_recomputation_schedule,
+    random_schedule,
+    recompute_all_schedule,
+)
+from rkgb.capture import capture
+from rkgb.memory import AllocationTracker
+from rkgb.simplify import simplify
+from solvers.schedule import Compute, Schedule
+
+SCHEDULES = {
+    "none": no_recomputation_schedule,
+    "recompute_all": lambda graph: recompute_all_schedule(graph, stress=True),
+    "random": lambda graph: random_schedule(graph, seed=3),
+}
+
+
+def _compile(name: str, dtype: torch.dtype, schedule: str, **overrides):
+    model, sample = ZOO[name].build(dtype=dtype, **overrides)
+    reference = copy.deepcopy(model)
+    graph = simplify(capture(copy.deepcopy(model), sample))
+    compiled = CompiledModule(model, graph, SCHEDULES[schedule](graph), sample)
+    return compiled, reference, sample
+
+
+def _as_tuple(outputs):
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def _assert_same_training(compiled: CompiledModule, reference: torch.nn.Module, sample, steps: int = 3):
+    """Outputs, parameter and input gradients, buffers: bitwise equal over ``steps`` SGD steps."""
+    model = compiled.model
+    for step in range(steps):
+        seed_everything(step)
+        expected = _as_tuple(reference(*sample))
+        weighted_loss(expected).backward()
+        expected_input_grads = [t.grad for t in sample if t.requires_grad]
+        for t in sample:
+            t.grad = None
+        seed_everything(step)
+        received = _as_tuple(compiled(*sample))
+        weighted_loss(received).backward()
+        received_input_grads = [t.grad for t in sample if t.requires_grad]
+        for t in sample:
+            t.grad = None
+        assert len(received) == len(expected)
+        for a, b in zip(received, expected):
+            assert torch.equal(a, b), f"step {step}: outputs differ"
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            assert p.grad is None or torch.equal(p.grad, q.grad), f"step {step}: grad of {name} differs"
+        for a, b in zip(received_input_grads, expected_input_grads):
+            assert torch.equal(a, b), f"step {step}: input grads differ"
+        for (name, a), b in zip(model.named_buffers(), reference.buffers()):
+            assert torch.equal(a, b), f"step {step}: buffer {name} differs"
+        with torch.no_grad():
+            for m in (model, reference):
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+        model.zero_grad()
+        reference.zero_grad()
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("name", ["gpt", "resnet", "mixer", "mlp"])
+def test_bitwise_equal_to_eager_float64(name, schedule):
+    compiled, reference, sample = _compile(name, torch.float64, schedule)
+    _assert_same_training(compiled, reference, sample)
+
+
+@pytest.mark.parametrize("schedule", ["none", "recompute_all"])
+@pytest.mark.parametrize("name", ["gpt", "resnet", "transformer_encoder", "unet", "rnn"])
+def test_bitwise_equal_to_eager_float32(name, schedule):
+    compiled, reference, sample = _compile(name, torch.float32, schedule)
+    _assert_same_training(compiled, reference, sample)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_schedules_gpt(seed):
+    model, sample = ZOO["gpt"].build()
+    reference = copy.deepcopy(model)
+    graph = simplify(capture(copy.deepcopy(model), sample))
+    compiled = CompiledModule(model, graph, random_schedule(graph, seed=seed, forget_probability=0.5), sample)
+    _assert_same_training(compiled, reference, sample, steps=2)
+
+
+def test_input_that_requires_grad():
+    model, sample = ZOO["multi_io"].build(dtype=torch.float64)
+    sample = tuple(t.requires_grad_() if t.is_floating_point() else t for t in sample)
+    assert any(t.requires_grad for t in sample)
+    reference = copy.deepcopy(model)
+    graph = simplify(capture(copy.deepcopy(model), sample))
+    compiled = CompiledModule(model, graph, recompute_all_schedule(graph, stress=True), sample)
+    _assert_same_training(compiled, reference, sample, steps=2)
+    # the same module called with inputs that do not require grad: another variant of the code
+    plain = tuple(t.detach() for t in sample)
+    _assert_same_training(compiled, reference, plain, steps=1)
+
+
+def test_generated_code_is_readable_and_registered():
+    compiled, _, sample = _compile("gpt", torch.float32, "recompute_all")
+    code = compiled.code
+    assert "def forward_phase(s, tokens):" in code and "def backward_phase(s, grad_outputs):" in code
+    assert "aten.linear.default(" in code and "# fwd_linear (no grad)" in code
+    assert "# fwd_linear (with grad), recomputation" in code
+    assert "# forget linear.data" in code and "# bwd_linear" in code
+    assert "rng_set(s.rng_native_dropout)" in code  # a dropout replays its RNG state
+    filename = next(iter(compiled._runners.values())).code.filename
+    assert linecache.getline(filename, 1).startswith("def forward_phase")
+
+
+def test_traceback_points_at_generated_line():
+    compiled, _, sample = _compile("mlp", torch.float32, "none")
+    _, module, attribute = compiled._parameter_refs[0]
+    setattr(module, attribute, torch.nn.Parameter(torch.zeros(3, 3)))  # a wrong weight: linear fails
+    with pytest.raises(RuntimeError) as info:
+        compiled(*sample)
+    frames = [entry for entry in info.traceback if str(entry.path).startswith("<rockmate-generated")]
+    assert frames and "aten.linear.default" in str(frames[-1].statement)
+
+
+def test_buffers_updated_once_per_step():
+    compiled, reference, sample = _compile("resnet", torch.float32, "recompute_all")
+    compiled(*sample)
+    reference(*sample)
+    for (name, a), b in zip(compiled.model.named_buffers(), reference.buffers()):
+        assert torch.equal(a, b), name
+    assert compiled.model.stem[1].num_batches_tracked.item() == 1
+
+
+def test_eval_and_no_grad_run_the_model():
+    compiled, reference, sample = _compile("gpt", torch.float32, "none")
+    compiled.eval()
+    reference.eval()
+    assert torch.equal(compiled(*sample), reference(*sample))
+    compiled.train()
+    reference.train()
+    with torch.no_grad():
+        seed_everything(0)
+        a = compiled(*sample)
+        seed_everything(0)
+        b = reference(*sample)
+    assert torch.equal(a, b) and not a.requires_grad
+
+
+def test_new_shape_raises():
+    compiled, _, sample = _compile("mlp", torch.float32, "none")
+    with pytest.raises(ValueError, match=r"shape \[3, 16\].*compiled for shape \[4, 16\].*rebuilt"):
+        compiled(torch.randn(3, *sample[0].shape[1:]))
+
+
+def test_unknown_node_raises():
+    model, sample = ZOO["mlp"].build()
+    graph = simplify(capture(copy.deepcopy(model), sample))
+    schedule = Schedule([Compute("fwd_nonexistent"), Compute("loss")])
+    with pytest.raises(ScheduleError, match="fwd_nonexistent"):
+        CompiledModule(model, graph, schedule, sample)
+
+
+def _peak_bytes(name: str, schedule: str) -> int:
+    compiled, _, sample = _compile(name, torch.float32, schedule)
+    seed_everything(0)
+    weighted_loss(compiled(*sample)).backward()  # grads allocated, as after a first step
+    with AllocationTracker() as tracker:
+        weighted_loss(compiled(*sample)).backward()
+    return tracker.peak_bytes
+
+
+def test_recompute_all_uses_less_memory():
+    plain = _peak_bytes("gpt", "none")
+    recomputed = _peak_bytes("gpt", "recompute_all")
+    assert recomputed < 0.8 * plain, (recomputed, plain)
