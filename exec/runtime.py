@@ -40,8 +40,13 @@ class StepState:
 # -- helpers called by the generated code ---------------------------------------------------
 
 
+_engine = torch.autograd.Variable._execution_engine
+
+
 def _run_backward(tensors: tuple, grads: tuple) -> None:
-    torch.autograd.backward(tensors, grads)
+    """``torch.autograd.backward(tensors, grads)`` without its argument processing (the
+    generated code passes tuples of tensors and gradients of the right shapes)."""
+    _engine.run_backward(tensors, grads, False, False, (), True, True)
 
 
 def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -52,7 +57,7 @@ def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Ten
             roots.append(tensor)
             root_grads.append(grad)
     if roots:
-        torch.autograd.backward(roots, root_grads)
+        torch.autograd.backward(roots, root_grads)  # checks shapes: the user's gradients
 
 
 class _GradSink:
@@ -70,7 +75,8 @@ class _GradSink:
     def __init__(self, leaf: torch.Tensor) -> None:
         self.leaf = leaf
         self.owned = False
-        self.node = get_gradient_edge(leaf).node
+        grad_fn = leaf.view_as(leaf).grad_fn  # cheaper than get_gradient_edge(leaf)
+        self.node = grad_fn.next_functions[0][0] if grad_fn is not None else get_gradient_edge(leaf).node
         self.node.register_prehook(self)
 
     def __call__(self, grad_outputs):
