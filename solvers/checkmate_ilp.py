@@ -300,7 +300,8 @@ class RkCheckmateILP:
         """Solve for a peak budget and a save budget (bytes; None: unbounded).
 
         ``objective="time"`` minimizes the recomputation time; ``"peak"`` minimizes the peak
-        (then ``peak_bytes`` is ignored), for the smallest budget the graph can meet.
+        (then ``peak_bytes`` is ignored), for the smallest budget the graph can meet;
+        ``"save"`` minimizes what is alive at the loss (then ``save_bytes`` is ignored).
         """
         self.peak_var.lowBound = 0
         self.peak_var.upBound = None if (peak_bytes is None or objective == "peak") else peak_bytes / self.unit
@@ -309,8 +310,11 @@ class RkCheckmateILP:
             self.prob.setObjective(self.time_objective)
         elif objective == "peak":
             self.prob.setObjective(self.peak_var + 1e-4 * self.time_objective)
+        elif objective == "save":
+            self.save_var.upBound = None
+            self.prob.setObjective(self.save_var + 1e-4 * self.time_objective)
         else:
-            raise ValueError(f"objective must be 'time' or 'peak', got {objective!r}")
+            raise ValueError(f"objective must be 'time', 'peak' or 'save', got {objective!r}")
         backend = make_pulp_solver(solver, time_limit_s)
         if warm_start and solver == "cbc":
             backend.optionsDict["warmStart"] = True

@@ -1,0 +1,368 @@
+"""Solvers by name, the whole-model plan, and the smallest budget each solver can meet.
+
+``solve(chain, budget, solver)`` returns a :class:`~solvers.schedule.Plan` whose schedule uses
+the names of ``chain.whole_graph()`` and whose predicted peak and time are the simulator's.
+
+Solvers (Zhao et al., Rockmate, ICML 2023, section 5 for the baselines):
+
+- ``"rockmate"``: rk-Checkmate options per class, then rk-Rotor over the chain;
+- ``"rotor"``: rk-Rotor with one option per block (autograd: keep everything) or keep nothing;
+- ``"checkmate"``: rk-Checkmate on the whole model's CD-graph (optimal reference, small models);
+- ``"none"``: no recomputation (autograd).
+
+A solver object is anything with ``name``, ``solve(chain, budget) -> Plan`` and
+``min_budget(chain) -> int``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rkgb.cdgraph import ModelChain
+from solvers.block_options import GridReport, solve_class_options
+from solvers.checkmate_ilp import RkCheckmateILP
+from solvers.options import (
+    BlockOption,
+    ClassOptions,
+    autograd_option,
+    no_grad_forward,
+    rename_operations,
+    with_outputs_kept,
+)
+from solvers.rotor_dp import BlockCosts, ChainAction, ChainCosts, OptionCosts, solve_chain
+from solvers.schedule import Compute, Forget, Operation, Plan, Schedule
+from solvers.simulate import schedule_from_computes, simulate
+
+__all__ = [
+    "SOLVERS",
+    "solve",
+    "min_budget",
+    "get_solver",
+    "RockmateSolver",
+    "RotorSolver",
+    "CheckmateSolver",
+    "NoRecomputeSolver",
+    "ChainPlanner",
+    "no_recompute_schedule",
+]
+
+
+# -- whole-model helpers --------------------------------------------------------------------
+def no_recompute_schedule(chain: ModelChain) -> Schedule:
+    """Autograd on the whole model: every node once, everything forgotten after its last use."""
+    graph = chain.whole_graph()
+    return schedule_from_computes(
+        graph,
+        [c.name for c in graph.compute_nodes],
+        protected=set(graph.input_grads) | set(graph.output_data),
+        keep_at_end=set(graph.output_data),
+    )
+
+
+def _baseline_time(chain: ModelChain) -> float:
+    return sum(c.time_s for c in chain.whole_graph().compute_nodes)
+
+
+def _plan(chain: ModelChain, budget: int, name: str, schedule: Schedule, **fields) -> Plan:
+    result = simulate(chain.whole_graph(), schedule, keep_outputs=True)
+    return Plan(
+        feasible=True,
+        budget=budget,
+        solver=name,
+        schedule=schedule,
+        predicted_peak=result.peak_bytes,
+        predicted_time=result.time_s,
+        baseline_time=_baseline_time(chain),
+        **fields,
+    )
+
+
+def _infeasible(chain: ModelChain, budget: int, name: str, minimum: int, **fields) -> Plan:
+    return Plan(
+        feasible=False,
+        budget=budget,
+        solver=name,
+        schedule=Schedule([]),
+        baseline_time=_baseline_time(chain),
+        min_budget=minimum,
+        notes=[f"budget {budget} B is below the minimum {minimum} B of solver {name!r}"]
+        + fields.pop("notes", []),
+        **fields,
+    )
+
+
+# -- chain planners (rk-Rotor over options) ---------------------------------------------------
+@dataclass
+class ChainPlanner:
+    """rk-Rotor over the chain, given each class's options; shared by "rockmate" and "rotor"."""
+
+    name: str
+    slots: int = 500
+    _classes: dict[int, tuple[object, ClassOptions]] = field(default_factory=dict, repr=False)
+
+    def class_options(self, chain: ModelChain, index: int) -> ClassOptions:  # pragma: no cover
+        raise NotImplementedError
+
+    def _options_of(self, chain: ModelChain, index: int) -> ClassOptions:
+        graph = chain.classes[index]
+        cached = self._classes.get(id(graph))
+        if cached is None or cached[0] is not graph:
+            cached = (graph, self.class_options(chain, index))
+            self._classes[id(graph)] = cached
+        return cached[1]
+
+    def chain_costs(self, chain: ModelChain) -> tuple[ChainCosts, list[list[BlockOption]]]:
+        """The DP's figures of ``chain`` and each block's options (the last block's keep its outputs)."""
+        blocks: list[BlockCosts] = []
+        per_block: list[list[BlockOption]] = []
+        last = len(chain.blocks) - 1
+        last_variants: dict[int, list[BlockOption]] = {}
+        for block in chain.blocks:
+            options = self._options_of(chain, block.class_index)
+            graph = chain.classes[block.class_index]
+            if block.index == last:
+                if block.class_index not in last_variants:
+                    last_variants[block.class_index] = [with_outputs_kept(graph, o) for o in options.options]
+                block_options = last_variants[block.class_index]
+            else:
+                block_options = options.options
+            per_block.append(block_options)
+            blocks.append(
+                BlockCosts(
+                    options=[
+                        OptionCosts(
+                            o.forward_peak_bytes,
+                            o.backward_peak_bytes,
+                            o.saved_bytes,
+                            o.end_bytes,
+                            o.forward_time_s,
+                            o.backward_time_s,
+                        )
+                        for o in block_options
+                    ],
+                    no_grad_peak=options.no_grad.peak_bytes,
+                    no_grad_time=options.no_grad.time_s,
+                    output_bytes=sum(graph.size(d) for d in graph.output_data),
+                    output_grad_bytes=sum(graph.size(d) for d in graph.output_grads),
+                    class_key=block.class_index,
+                )
+            )
+        loss = chain.classes[chain.blocks[last].class_index].loss
+        return ChainCosts(blocks, loss_time=loss.time_s, loss_overhead=loss.overhead_bytes), per_block
+
+    def instantiate(self, chain: ModelChain, per_block: list[list[BlockOption]], actions: list[ChainAction]) -> Schedule:
+        """The whole-model schedule of a chain strategy (real node names)."""
+        ops: list[Operation] = []
+        for a in actions:
+            if a.kind == "loss":
+                ops.append(Compute("loss"))
+                continue
+            block = chain.blocks[a.block]
+            graph = chain.classes[block.class_index]
+            if a.kind == "forward":
+                ops += rename_operations(graph, per_block[a.block][a.option].forward_ops, block.names)
+            elif a.kind == "backward":
+                ops += rename_operations(graph, per_block[a.block][a.option].backward_ops, block.names)
+            elif a.kind == "no_grad":
+                ops += rename_operations(graph, self._options_of(chain, block.class_index).no_grad.ops, block.names)
+                if a.forget_input:
+                    ops += rename_operations(graph, [Forget(d) for d in graph.input_data], block.names)
+            elif a.kind == "forget_output":
+                ops += rename_operations(graph, [Forget(d) for d in graph.output_data], block.names)
+        return Schedule(ops)
+
+    def solve(self, chain: ModelChain, budget: int) -> Plan:
+        start = time.perf_counter()
+        costs, per_block = self.chain_costs(chain)
+        strategy = solve_chain(costs, int(budget), self.slots)
+        if strategy is None:
+            return _infeasible(chain, budget, self.name, self.min_budget(chain),
+                               solve_time_s=time.perf_counter() - start)
+        schedule = self.instantiate(chain, per_block, strategy.actions)
+        plan = _plan(chain, budget, self.name, schedule, solve_time_s=time.perf_counter() - start,
+                     time_limit_hit=any(o.time_limit_hit for opts in per_block for o in opts))
+        if plan.predicted_peak != strategy.peak_bytes or plan.predicted_peak > budget:
+            raise RuntimeError(
+                f"internal error in rk-Rotor: the DP predicts a peak of {strategy.peak_bytes} B, "
+                f"the simulator measures {plan.predicted_peak} B (budget {budget} B)"
+            )
+        plan.notes.append(f"DP slot: {strategy.slot_bytes} B")
+        return plan
+
+    def min_budget(self, chain: ModelChain) -> int:
+        """The smallest budget the DP meets (binary search, to 0.05% or 1 byte)."""
+        costs, _ = self.chain_costs(chain)
+        high = max(1, simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes)
+        while solve_chain(costs, high, self.slots) is None:
+            high *= 2
+        low = 0
+        while high - low > max(1, high // 2000):
+            middle = (low + high) // 2
+            if solve_chain(costs, middle, self.slots) is None:
+                low = middle
+            else:
+                high = middle
+        strategy = solve_chain(costs, high, self.slots)
+        exact = strategy.peak_bytes
+        if exact < high and solve_chain(costs, exact, self.slots) is not None:
+            return exact
+        return high
+
+
+@dataclass
+class RockmateSolver(ChainPlanner):
+    """Rockmate: rk-Checkmate options for each class (a grid of budgets), then rk-Rotor."""
+
+    name: str = "rockmate"
+    peak_steps: int = 10
+    save_steps: int = 10
+    time_limit_s: float = 10.0
+    ilp_solver: str = "cbc"
+    forward_recompute: bool = True
+    reports: dict[int, GridReport] = field(default_factory=dict, repr=False)
+
+    def class_options(self, chain: ModelChain, index: int) -> ClassOptions:
+        report = GridReport()
+        options = solve_class_options(
+            chain.classes[index],
+            peak_steps=self.peak_steps,
+            save_steps=self.save_steps,
+            time_limit_s=self.time_limit_s,
+            ilp_solver=self.ilp_solver,
+            forward_recompute=self.forward_recompute,
+            report=report,
+        )
+        self.reports[index] = report
+        return options
+
+
+@dataclass
+class RotorSolver(ChainPlanner):
+    """Rotor: each block keeps everything (autograd) or nothing (recomputed later)."""
+
+    name: str = "rotor"
+
+    def class_options(self, chain: ModelChain, index: int) -> ClassOptions:
+        graph = chain.classes[index]
+        return ClassOptions(graph=graph, options=[autograd_option(graph)], no_grad=no_grad_forward(graph))
+
+
+# -- whole-graph solvers ------------------------------------------------------------------------
+@dataclass
+class CheckmateSolver:
+    """rk-Checkmate on the whole model's CD-graph: the optimal reference on small models."""
+
+    name: str = "checkmate"
+    time_limit_s: float = 60.0
+    ilp_solver: str = "cbc"
+    forward_recompute: bool = True
+    _model: tuple[object, RkCheckmateILP] | None = field(default=None, repr=False)
+
+    def _ilp(self, chain: ModelChain):
+        graph = chain.whole_graph()
+        if self._model is None or self._model[0] is not chain:
+            unit = max(1.0, simulate(graph, no_recompute_schedule(chain)).peak_bytes / 1000.0)
+            self._model = (chain, RkCheckmateILP(
+                graph, keep_outputs=True, forward_recompute=self.forward_recompute, memory_unit_bytes=unit))
+        return graph, self._model[1]
+
+    def _schedule(self, graph, computes: list[str]) -> Schedule:
+        return schedule_from_computes(
+            graph, computes, protected=set(graph.input_grads) | set(graph.output_data),
+            keep_at_end=set(graph.output_data),
+        )
+
+    def solve(self, chain: ModelChain, budget: int) -> Plan:
+        start = time.perf_counter()
+        graph, ilp = self._ilp(chain)
+        target = float(budget)
+        for _ in range(3):
+            solution = ilp.solve(target, None, time_limit_s=self.time_limit_s, solver=self.ilp_solver)
+            if not solution.feasible:
+                break
+            schedule = self._schedule(graph, solution.computes)
+            plan = _plan(chain, budget, self.name, schedule, time_limit_hit=solution.time_limit_hit,
+                         solve_time_s=time.perf_counter() - start)
+            if plan.predicted_peak <= budget:
+                return plan
+            target -= plan.predicted_peak - budget  # solver tolerance on large numbers
+        minimum = self.min_budget(chain)
+        return _infeasible(chain, budget, self.name, minimum, solve_time_s=time.perf_counter() - start,
+                           time_limit_hit=solution.time_limit_hit)
+
+    def min_budget(self, chain: ModelChain) -> int:
+        graph, ilp = self._ilp(chain)
+        solution = ilp.solve(None, None, objective="peak", time_limit_s=self.time_limit_s, solver=self.ilp_solver)
+        if not solution.feasible:
+            return simulate(graph, no_recompute_schedule(chain)).peak_bytes
+        return simulate(graph, self._schedule(graph, solution.computes)).peak_bytes
+
+
+@dataclass
+class NoRecomputeSolver:
+    """No recomputation: what PyTorch's autograd does."""
+
+    name: str = "none"
+
+    def solve(self, chain: ModelChain, budget: int) -> Plan:
+        start = time.perf_counter()
+        schedule = no_recompute_schedule(chain)
+        plan = _plan(chain, budget, self.name, schedule, solve_time_s=time.perf_counter() - start)
+        if plan.predicted_peak > budget:
+            return _infeasible(chain, budget, self.name, plan.predicted_peak)
+        return plan
+
+    def min_budget(self, chain: ModelChain) -> int:
+        return simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
+
+
+SOLVERS = {
+    "rockmate": RockmateSolver,
+    "rotor": RotorSolver,
+    "checkmate": CheckmateSolver,
+    "none": NoRecomputeSolver,
+}
+
+
+def get_solver(solver: str | object, **options):
+    """A solver object from a name of :data:`SOLVERS` (with ``options``) or a solver object."""
+    if isinstance(solver, str):
+        if solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {sorted(SOLVERS)} or a solver object, got {solver!r}")
+        return SOLVERS[solver](**options)
+    if options:
+        raise ValueError("options are for solvers given by name; configure the solver object instead")
+    for attribute in ("solve", "min_budget", "name"):
+        if not hasattr(solver, attribute):
+            raise TypeError(f"solver object {solver!r} has no {attribute!r}")
+    return solver
+
+
+def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **options) -> Plan:
+    """Plan a training step of ``chain`` within ``budget`` bytes.
+
+    Parameters
+    ----------
+    chain
+        The model's chain of blocks (from rkgb or :mod:`solvers.toy_graphs`).
+    budget
+        Bytes: the peak of activations, saved tensors, gradients of activations and temporaries.
+    solver
+        A name of :data:`SOLVERS` or a solver object; ``options`` go to the solver's
+        constructor (e.g. ``peak_steps``, ``time_limit_s``, ``ilp_solver="highs"``).
+
+    Returns
+    -------
+    Plan
+        ``feasible=False`` with ``min_budget`` set when the budget is too small; never raises
+        for a too small budget.
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be a number of bytes >= 0, got {budget!r}")
+    return get_solver(solver, **options).solve(chain, int(budget))
+
+
+def min_budget(chain: ModelChain, solver: str | object = "rockmate", **options) -> int:
+    """The smallest budget (bytes) that ``solver`` can meet on ``chain``."""
+    return int(get_solver(solver, **options).min_budget(chain))
