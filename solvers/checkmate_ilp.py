@@ -37,6 +37,7 @@ of budgets only changes two bounds before a re-solve.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import pulp
@@ -59,7 +60,9 @@ def highs_available() -> bool:
 def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0) -> pulp.LpSolver:
     """A pulp solver by name: ``"cbc"`` (bundled) or ``"highs"`` (needs ``highspy``)."""
     if name == "cbc":
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 4 renames the bundled CBC
+            return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1)
     if name == "highs":
         if not highs_available():
             raise ImportError("solver='highs' needs the highspy package: pip install highspy")
@@ -160,8 +163,8 @@ class RkCheckmateILP:
 
         prob = pulp.LpProblem(f"rk_checkmate_{graph.name}", pulp.LpMinimize)
         self.prob = prob
-        self.peak_var = pulp.LpVariable("peak_budget", lowBound=0)
-        self.save_var = pulp.LpVariable("save_budget", lowBound=0)
+        self.peak_var = _variable(prob, "peak_budget", lowBound=0)
+        self.save_var = _variable(prob, "save_budget", lowBound=0)
         size = {d.name: d.size_bytes / self.unit for d in graph.data_nodes}
 
         # slots of each stage: (k, R variable or None when mandatory)
@@ -174,7 +177,7 @@ class RkCheckmateILP:
                     if k >= t:
                         break
                     if last_useful[k] >= t:
-                        r = pulp.LpVariable(f"R_{t}_{k}", cat=pulp.LpBinary)
+                        r = _variable(prob, f"R_{t}_{k}", cat=pulp.LpBinary)
                         slots.append((k, r))
                         recompute_time.append(nodes[k].time_s * r)
             slots.append((t, None))
@@ -185,7 +188,7 @@ class RkCheckmateILP:
         alive_by_stage: list[list[str]] = [[] for _ in range(n_stages)]
         for d, p in producer.items():
             for t in range(p + 1, min(last_needed[d], n_stages - 1) + 1):
-                alive_at_start[t, d] = pulp.LpVariable(f"S_{t}_{data_index[d]}", lowBound=0, upBound=1)
+                alive_at_start[t, d] = _variable(prob, f"S_{t}_{data_index[d]}", lowBound=0, upBound=1)
                 alive_by_stage[t].append(d)
 
         def run(r: pulp.LpVariable | None) -> object:
@@ -202,7 +205,7 @@ class RkCheckmateILP:
                     continue
                 phantoms = phantoms_of(graph, node)
                 if phantoms is not None and last_needed.get(phantoms, -1) >= t:
-                    w = pulp.LpVariable(f"W_{t}_{k}", lowBound=0, upBound=1)
+                    w = _variable(prob, f"W_{t}_{k}", lowBound=0, upBound=1)
                     if r is not None:
                         prob += w <= r
                         n_rows += 1
@@ -239,7 +242,7 @@ class RkCheckmateILP:
                         prob += live >= run(r)
                         n_rows += 1
                     if not live_is_zero and d not in keep and (made is not None or d in needs_of[k]):
-                        f = pulp.LpVariable(f"F_{t}_{k}_{data_index[d]}", lowBound=0, upBound=1)
+                        f = _variable(prob, f"F_{t}_{k}_{data_index[d]}", lowBound=0, upBound=1)
                         frees[k].append((d, f))
                         live = live - f
                         prob += live >= 0
@@ -255,7 +258,7 @@ class RkCheckmateILP:
                     prob += live == 0
                 n_rows += 1
             # memory along the stage
-            before = pulp.LpVariable(f"U_{t}_start", lowBound=0)
+            before = _variable(prob, f"U_{t}_start", lowBound=0)
             prob += before == pulp.lpSum(size[d] * alive_at_start[t, d] for d in alive_by_stage[t])
             if t == loss:
                 prob += before + const_alive[t] <= self.save_var
@@ -275,7 +278,7 @@ class RkCheckmateILP:
                 prob += during + const_alive[t] <= self.peak_var
                 n_rows += 2
                 if i + 1 < len(slots):
-                    after = pulp.LpVariable(f"U_{t}_{i}", lowBound=0)
+                    after = _variable(prob, f"U_{t}_{i}", lowBound=0)
                     prob += after == before + pulp.lpSum(variable_made) - pulp.lpSum(
                         size[d] * f for d, f in frees[k]
                     )
@@ -296,6 +299,7 @@ class RkCheckmateILP:
         time_limit_s: float | None = 30.0,
         solver: str = "cbc",
         warm_start: bool = False,
+        gap: float = 0.0,
     ) -> ILPSolution:
         """Solve for a peak budget and a save budget (bytes; None: unbounded).
 
@@ -315,7 +319,7 @@ class RkCheckmateILP:
             self.prob.setObjective(self.save_var + 1e-4 * self.time_objective)
         else:
             raise ValueError(f"objective must be 'time', 'peak' or 'save', got {objective!r}")
-        backend = make_pulp_solver(solver, time_limit_s)
+        backend = make_pulp_solver(solver, time_limit_s, gap)
         if warm_start and solver == "cbc":
             backend.optionsDict["warmStart"] = True
         start = time.perf_counter()
@@ -344,3 +348,9 @@ class RkCheckmateILP:
             solve_time_s=elapsed,
         )
 
+
+def _variable(prob: pulp.LpProblem, name: str, lowBound=None, upBound=None, cat=pulp.LpContinuous):
+    """A variable of ``prob`` (PuLP >= 3.3 attaches variables to their model)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lowBound, upBound, cat=cat)
+    return pulp.LpVariable(name, lowBound, upBound, cat=cat)

@@ -1,0 +1,111 @@
+"""rk-Checkmate: the ILP's optimum equals a brute-force search on tiny CD-graphs."""
+
+import itertools
+import random
+
+import pytest
+
+from rkgb.cdgraph import ComputeKind
+from solvers.block_options import solve_class_options
+from solvers.checkmate_ilp import RkCheckmateILP
+from solvers.options import option_from_computes
+from solvers.schedule import Compute
+from solvers.simulate import InvalidSchedule, schedule_from_computes, simulate
+from solvers.toy_graphs import diamond_graph, linear_graph, multi_output_graph, random_graph
+
+
+def brute_force(graph, forward_recompute=True):
+    """(time, peak, saved, computes) of every stage-structured sequence of computes."""
+    nodes = graph.compute_nodes
+    loss = next(i for i, c in enumerate(nodes) if c.kind is ComputeKind.LOSS)
+    forwards = [i for i, c in enumerate(nodes) if c.kind is ComputeKind.FORWARD]
+    stages = []
+    for t in range(len(nodes)):
+        optional = [] if t == loss or (t < loss and not forward_recompute) else [k for k in forwards if k < t]
+        stages.append(
+            [
+                [nodes[k].name for k in subset] + [nodes[t].name]
+                for r in range(len(optional) + 1)
+                for subset in itertools.combinations(optional, r)
+            ]
+        )
+    results = []
+    for combo in itertools.product(*stages):
+        computes = [c for stage in combo for c in stage]
+        try:
+            schedule = schedule_from_computes(graph, computes, protected=set(graph.input_grads))
+            r = simulate(graph, schedule, keep_outputs=False)
+        except InvalidSchedule:
+            continue
+        results.append((r.time_s, r.peak_bytes, r.saved_bytes))
+    return results
+
+
+GRAPHS = {
+    "linear3": lambda: linear_graph(3),
+    "multi_output": multi_output_graph,
+    "random0": lambda: random_graph(random.Random(0), 3),
+    "random1": lambda: random_graph(random.Random(1), 3),
+    "random3": lambda: random_graph(random.Random(3), 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_ilp_optimum_equals_brute_force(name):
+    graph = GRAPHS[name]()
+    results = brute_force(graph)
+    ilp = RkCheckmateILP(graph)
+    peaks = sorted({p for _, p, _ in results})
+    saves = sorted({s for _, _, s in results})
+    checked = 0
+    for peak in peaks[:: max(1, len(peaks) // 6)] + [peaks[-1]]:
+        for save in saves[:: max(1, len(saves) // 5)] + [saves[-1]]:
+            feasible = [t for t, p, s in results if p <= peak and s <= save]
+            solution = ilp.solve(peak, save, time_limit_s=20)
+            assert solution.feasible == bool(feasible), (peak, save)
+            if not feasible:
+                continue
+            option = option_from_computes(graph, solution.computes)
+            assert option.time_s == pytest.approx(min(feasible), abs=1e-9), (peak, save)
+            assert option.peak_bytes <= peak and option.saved_bytes <= save
+            checked += 1
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("name", ["linear3", "multi_output"])
+def test_min_peak_and_min_save_objectives(name):
+    graph = GRAPHS[name]()
+    results = brute_force(graph)
+    ilp = RkCheckmateILP(graph)
+    lowest = ilp.solve(None, None, objective="peak")
+    assert option_from_computes(graph, lowest.computes).peak_bytes == min(p for _, p, _ in results)
+    lowest = ilp.solve(None, None, objective="save")
+    assert option_from_computes(graph, lowest.computes).saved_bytes == min(s for _, _, s in results)
+
+
+def test_without_forward_recomputation_equals_its_brute_force():
+    graph = multi_output_graph()
+    results = brute_force(graph, forward_recompute=False)
+    ilp = RkCheckmateILP(graph, forward_recompute=False)
+    peaks = sorted({p for _, p, _ in results})
+    for peak in peaks:
+        feasible = [t for t, p, s in results if p <= peak]
+        solution = ilp.solve(peak, None)
+        assert solution.feasible == bool(feasible)
+        if feasible:
+            assert option_from_computes(graph, solution.computes).time_s == pytest.approx(min(feasible))
+
+
+def test_class_options_are_a_pareto_front_measured_by_the_simulator():
+    graph = diamond_graph()
+    options = solve_class_options(graph, peak_steps=4, save_steps=4).options
+    assert options, "the autograd option is always there"
+    for o in options:
+        schedule = o.forward_ops + [Compute("loss")] + o.backward_ops
+        r = simulate(graph, schedule, keep_outputs=False)
+        assert (r.forward_peak_bytes, r.backward_peak_bytes, r.saved_bytes) == (
+            o.forward_peak_bytes, o.backward_peak_bytes, o.saved_bytes)
+        assert r.time_s == pytest.approx(o.time_s)
+    for a in options:
+        for b in options:
+            assert a is b or not (a.dominates(b) and a.key() != b.key())
