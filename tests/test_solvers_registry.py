@@ -1,0 +1,76 @@
+"""Every solver by name: plans within budget, predicted == simulated, infeasible budgets."""
+
+import random
+
+import pytest
+
+from solvers import SOLVERS, CheckmateSolver, RockmateSolver, get_solver, min_budget, simulate, solve
+from solvers.registry import no_recompute_schedule
+from solvers.toy_graphs import chain_of, diamond_graph, linear_graph, random_chain
+
+FAST = {"rockmate": {"peak_steps": 3, "save_steps": 3, "time_limit_s": 5}}
+
+
+@pytest.fixture(scope="module")
+def chains():
+    rng = random.Random(7)
+    return [
+        chain_of([linear_graph(2)], [0, 0, 0]),
+        chain_of([diamond_graph()], [0, 0]),
+        random_chain(rng, 4, n_classes=2, nodes_per_block=3),
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+def test_every_plan_is_within_budget_and_predicted_by_the_simulator(name, chains):
+    for chain in chains:
+        solver = get_solver(name, **FAST.get(name, {}))
+        lowest = solver.min_budget(chain)
+        top = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
+        assert lowest <= top
+        for budget in sorted({lowest, (lowest + top) // 2, top, 2 * top}):
+            plan = solver.solve(chain, budget)
+            assert plan.feasible, (name, budget, lowest)
+            assert plan.solver == name and plan.budget == budget
+            result = simulate(chain.whole_graph(), plan.schedule)
+            assert plan.predicted_peak == result.peak_bytes <= budget
+            assert plan.predicted_time == pytest.approx(result.time_s)
+            assert plan.baseline_time == pytest.approx(sum(c.time_s for c in chain.whole_graph().compute_nodes))
+
+
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+def test_infeasible_budget_returns_a_plan_with_the_minimum(name, chains):
+    chain = chains[0]
+    lowest = min_budget(chain, name, **FAST.get(name, {}))
+    plan = solve(chain, lowest - 1, name, **FAST.get(name, {}))
+    assert not plan.feasible and plan.min_budget == lowest and plan.schedule.ops == []
+    plan = solve(chain, 0, name, **FAST.get(name, {}))
+    assert not plan.feasible and plan.min_budget == lowest
+
+
+def test_rockmate_is_no_worse_than_rotor_and_close_to_checkmate(chains):
+    for chain in chains[:2]:
+        rockmate = RockmateSolver(peak_steps=6, save_steps=6)
+        checkmate = CheckmateSolver()
+        rotor = get_solver("rotor")
+        assert rockmate.min_budget(chain) <= rotor.min_budget(chain)
+        assert checkmate.min_budget(chain) <= rockmate.min_budget(chain)
+        top = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
+        for budget in (rotor.min_budget(chain), top):
+            a, b = rockmate.solve(chain, budget), rotor.solve(chain, budget)
+            c = checkmate.solve(chain, budget)
+            assert a.predicted_time <= b.predicted_time + 1e-9
+            assert c.predicted_time <= a.predicted_time + 1e-9
+
+
+def test_unknown_solver_name_says_the_allowed_names(chains):
+    with pytest.raises(ValueError, match="solver must be one of"):
+        solve(chains[0], 100, "magic")
+
+
+def test_rockmate_option_grid_reports_its_work(chains):
+    solver = RockmateSolver(peak_steps=4, save_steps=4)
+    solver.solve(chains[1], 10**6)
+    report = next(iter(solver.reports.values()))
+    assert report.pairs == report.solved + report.reused + report.pruned_infeasible
+    assert report.total_s > 0
