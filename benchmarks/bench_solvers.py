@@ -68,12 +68,15 @@ def bench_dp(repeat: int = 3) -> None:
 
 
 def bench_option_grid(chain: ModelChain, peak_steps: int = 10, save_steps: int = 10,
-                      ilp_solver: str = "cbc", time_limit_s: float = 10.0) -> None:
-    """Solve time of each class's option grid, per phase."""
+                      ilp_solver: str = "cbc", time_limit_s: float = 2.0, **settings) -> None:
+    """Solve time of each class's option grid, per phase (settings: RockmateSolver's defaults)."""
+    defaults = dict(forward_recompute=False, lazy_recompute=True, gap=0.01)
+    defaults.update(settings)
     for index, graph in enumerate(chain.classes):
         report = GridReport()
         options = solve_class_options(graph, peak_steps=peak_steps, save_steps=save_steps,
-                                      ilp_solver=ilp_solver, time_limit_s=time_limit_s, report=report)
+                                      ilp_solver=ilp_solver, time_limit_s=time_limit_s, report=report,
+                                      **defaults)
         print(f"class {index} ({graph.name}, {len(graph.compute_nodes)} C-nodes, {ilp_solver}): "
               f"{report.total_s:.2f} s total = build {report.build_s:.2f} + bounds {report.bounds_s:.2f} "
               f"+ grid {report.grid_s:.2f}; {report.pairs} pairs: {report.solved} solved, "

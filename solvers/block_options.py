@@ -67,6 +67,8 @@ def solve_class_options(
     time_limit_s: float = 10.0,
     ilp_solver: str = "cbc",
     forward_recompute: bool = True,
+    lazy_recompute: bool = False,
+    gap: float = 0.0,
     report: GridReport | None = None,
 ) -> ClassOptions:
     """The options of one class: rk-Checkmate on ``graph`` for a grid of budget pairs.
@@ -82,6 +84,8 @@ def solve_class_options(
         Per ILP; a solve that hits it keeps its best solution and the option says so.
     ilp_solver
         ``"cbc"`` (bundled with pulp) or ``"highs"`` (``highspy``).
+    gap
+        Relative optimality gap accepted from the ILP solver (0: proven optimal).
 
     Returns
     -------
@@ -92,7 +96,8 @@ def solve_class_options(
     top = autograd_option(graph)
     options = [top]
     unit = max(1.0, top.peak_bytes / 1000.0)
-    ilp = RkCheckmateILP(graph, forward_recompute=forward_recompute, memory_unit_bytes=unit)
+    ilp = RkCheckmateILP(graph, forward_recompute=forward_recompute, lazy_recompute=lazy_recompute,
+                         memory_unit_bytes=unit)
     report.build_s = time.perf_counter() - start
 
     def measured(solution, source: str) -> BlockOption | None:
@@ -102,8 +107,8 @@ def solve_class_options(
         option.time_limit_hit = solution.time_limit_hit
         return option
 
-    lowest_peak = measured(ilp.solve(None, None, objective="peak", time_limit_s=time_limit_s, solver=ilp_solver), "min peak")
-    lowest_save = measured(ilp.solve(None, None, objective="save", time_limit_s=time_limit_s, solver=ilp_solver), "min save")
+    lowest_peak = measured(ilp.solve(None, None, objective="peak", time_limit_s=time_limit_s, solver=ilp_solver, gap=gap), "min peak")
+    lowest_save = measured(ilp.solve(None, None, objective="save", time_limit_s=time_limit_s, solver=ilp_solver, gap=gap), "min save")
     for o in (lowest_peak, lowest_save):
         if o is not None:
             options.append(o)
@@ -130,7 +135,7 @@ def solve_class_options(
             ):
                 report.reused += 1
                 continue
-            solution = ilp.solve(peak, save, time_limit_s=time_limit_s, solver=ilp_solver)
+            solution = ilp.solve(peak, save, time_limit_s=time_limit_s, solver=ilp_solver, gap=gap)
             report.solved += 1
             option = measured(solution, f"peak<={peak}, save<={save}")
             if option is None:

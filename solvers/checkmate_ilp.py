@@ -94,6 +94,12 @@ class RkCheckmateILP:
     forward_recompute
         Allow recomputations in the forward stages (Checkmate does; they only lower the
         forward peak and cost variables).
+    lazy_recompute
+        A recomputation must serve a later operation of its own stage: nothing is recomputed
+        ahead of the stage that reads it. This removes many equivalent solutions (a value
+        recomputed at any stage between its last use and its next use) and speeds up the
+        solver a lot; it loses the rare schedules that recompute early because the inputs
+        happen to be alive then.
     memory_unit_bytes
         Bytes per unit of memory in the model (numbers are kept near 1e3 for the solver).
     """
@@ -104,6 +110,7 @@ class RkCheckmateILP:
         *,
         keep_outputs: bool = False,
         forward_recompute: bool = True,
+        lazy_recompute: bool = False,
         memory_unit_bytes: float = 1.0,
     ) -> None:
         self.graph = graph
@@ -195,6 +202,18 @@ class RkCheckmateILP:
             return 1 if r is None else r
 
         n_rows = 0
+        if lazy_recompute:
+            # a recomputation serves a later operation of its own stage (no recomputing ahead)
+            for t in range(n_stages):
+                for i, (k, r) in enumerate(self.slots[t]):
+                    if r is None:
+                        continue
+                    made = set(outputs_of[k])
+                    readers = [x for j, x in self.slots[t][i + 1 :] if made & needs_of[j]]
+                    if any(x is None for x in readers):
+                        continue
+                    prob += r <= pulp.lpSum(readers)
+                    n_rows += 1
         for t in range(n_stages):
             slots = self.slots[t]
             # with_grad variables of the forwards of this stage

@@ -217,9 +217,11 @@ class RockmateSolver(ChainPlanner):
     name: str = "rockmate"
     peak_steps: int = 10
     save_steps: int = 10
-    time_limit_s: float = 10.0
+    time_limit_s: float = 2.0
     ilp_solver: str = "cbc"
-    forward_recompute: bool = True
+    forward_recompute: bool = False
+    lazy_recompute: bool = True
+    gap: float = 0.01
     reports: dict[int, GridReport] = field(default_factory=dict, repr=False)
 
     def class_options(self, chain: ModelChain, index: int) -> ClassOptions:
@@ -231,6 +233,8 @@ class RockmateSolver(ChainPlanner):
             time_limit_s=self.time_limit_s,
             ilp_solver=self.ilp_solver,
             forward_recompute=self.forward_recompute,
+            lazy_recompute=self.lazy_recompute,
+            gap=self.gap,
             report=report,
         )
         self.reports[index] = report
