@@ -58,7 +58,13 @@ def highs_available() -> bool:
 
 
 def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0) -> pulp.LpSolver:
-    """A pulp solver by name: ``"cbc"`` (bundled) or ``"highs"`` (needs ``highspy``)."""
+    """A pulp solver by name: ``"cbc"`` (bundled) or ``"highs"`` (needs ``highspy``).
+
+    Measured on the GPT-like attention block (43 C-nodes, 10 x 10 grid, 2 s per ILP, 1% gap,
+    lazy recomputation, 2-core CPU): CBC 91-97 s, HiGHS 79 s for the whole grid; single
+    min-peak solves 9.0 s (CBC) against 5.4 s (HiGHS). CBC stays the default because it is
+    bundled with pulp; pass ``ilp_solver="highs"`` when highspy is installed.
+    """
     if name == "cbc":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 4 renames the bundled CBC
