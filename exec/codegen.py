@@ -277,22 +277,22 @@ class _Generator:
             w("rng_set(rng_outer)")
         exported = info.exported
         if with_grad:
+            # keep only the gradient edges of the island's outputs: holding the outputs
+            # themselves would keep their memory (and their bases') alive after a forget
+            w(f"finish_island({name!r}, {self.tuple(exported)})")
             for out in exported:
-                w(f"s.{self.island_names[out]} = {out}")
-            w(f"finish_island({name!r}, {self.tuple(f's.{self.island_names[o]}' for o in exported)})")
+                if info.exported_requires_grad[out]:
+                    w(f"s.{self.island_names[out]} = gradient_edge({out})")
             self.has_graph.add(name)
         for out in exported:
-            value = f"s.{self.island_names[out]}" if with_grad else out
             if first:
+                # detach even without grad: a view keeps its base (and its memory) alive
                 if info.exported_requires_grad[out]:
-                    leaf = f"{value}.detach().requires_grad_()" if with_grad else f"{value}.requires_grad_()"
-                    w(f"s.{out} = {leaf}; s.sink_{out} = grad_sink(s.{out})")
+                    w(f"s.{out} = {out}.detach().requires_grad_(); s.sink_{out} = grad_sink(s.{out})")
                 else:
-                    w(f"s.{out} = {value}.detach()" if with_grad else f"s.{out} = {value}")
+                    w(f"s.{out} = {out}.detach()")
             else:
-                w(f"s.{out}.data = {value}")
-            if with_grad:
-                w(f"{value}.data = {self.placeholder(name, out)}")
+                w(f"s.{out}.data = {out}")
         if exported:
             w(f"register_data({name!r}, {self.tuple(f's.{o}' for o in exported)})")
         if local_names:
@@ -337,8 +337,8 @@ class _Generator:
         elif outs:
             islands = self.tuple(f"s.{self.island_names[o]}" for o in outs)
             grads = self.tuple(f"s.{o}.grad" for o in outs)
-            w(f"backward_outputs({islands}, {grads})")
-        for out in info.exported:
+            w(f"backward_edges({islands}, {grads})")
+        for out in outs:
             w(f"s.{self.island_names[out]} = None")
         self.has_graph.discard(name)
 

@@ -49,6 +49,13 @@ def _run_backward(tensors: tuple, grads: tuple) -> None:
     _engine.run_backward(tensors, grads, False, False, (), True, True)
 
 
+def _backward_edges(edges: tuple, grads: tuple) -> None:
+    """Backward from the gradient edges of an island's outputs that received a gradient."""
+    pairs = [(edge, grad) for edge, grad in zip(edges, grads) if grad is not None]
+    if pairs:
+        _engine.run_backward(tuple(e for e, _ in pairs), tuple(g for _, g in pairs), False, False, (), True, True)
+
+
 def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """Backward from the tensors that require grad and received a gradient."""
     roots, root_grads = [], []
@@ -167,6 +174,8 @@ class _Runner:
             "rng_set": rng_set,
             "run_backward": _run_backward,
             "backward_outputs": _backward_outputs,
+            "backward_edges": _backward_edges,
+            "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,
             "grad_sink": _GradSink,
         }

@@ -131,7 +131,7 @@ class RkCheckmateILP:
         forwards = [i for i, c in enumerate(nodes) if c.kind is ComputeKind.FORWARD]
         inputs = set(graph.input_data)
         keep = set(graph.output_data) if keep_outputs else set()
-        protected = set(graph.input_grads) | keep
+        protected = set(graph.input_grads) | keep | (set(graph.output_grads) if keep_outputs else set())
 
         # which data have a variable liveness (made by forwards) and who makes / reads them
         producer: dict[str, int] = {}

@@ -55,8 +55,8 @@ def no_recompute_schedule(chain: ModelChain) -> Schedule:
     return schedule_from_computes(
         graph,
         [c.name for c in graph.compute_nodes],
-        protected=set(graph.input_grads) | set(graph.output_data),
-        keep_at_end=set(graph.output_data),
+        protected=set(graph.input_grads) | set(graph.output_data) | set(graph.output_grads),
+        keep_at_end=set(graph.output_data) | set(graph.output_grads),
     )
 
 
@@ -273,8 +273,8 @@ class CheckmateSolver:
 
     def _schedule(self, graph, computes: list[str]) -> Schedule:
         return schedule_from_computes(
-            graph, computes, protected=set(graph.input_grads) | set(graph.output_data),
-            keep_at_end=set(graph.output_data),
+            graph, computes, protected=set(graph.input_grads) | set(graph.output_data) | set(graph.output_grads),
+            keep_at_end=set(graph.output_data) | set(graph.output_grads),
         )
 
     def solve(self, chain: ModelChain, budget: int) -> Plan:

@@ -109,8 +109,9 @@ def simulate(
     schedule
         The operations to replay.
     keep_outputs
-        When True (a whole model), ``graph.output_data`` may never be forgotten: the user holds
-        the model's outputs. Block options are simulated with False.
+        When True (a whole model), ``graph.output_data`` and ``graph.output_grads`` may never be
+        forgotten: the user holds the model's outputs, and the autograd engine holds their
+        gradients until the compiled module's backward returns. Block options are simulated with False.
     initially_alive
         Data nodes alive at the start besides ``graph.input_data`` (counted in the memory).
 
@@ -128,7 +129,8 @@ def simulate(
     """
     ops = schedule.ops if isinstance(schedule, Schedule) else list(schedule)
     inputs = set(graph.input_data)
-    protected = set(inputs) | (set(graph.output_data) if keep_outputs else set())
+    # the user holds the outputs, and autograd holds their gradients until the backward ends
+    protected = set(inputs) | (set(graph.output_data) | set(graph.output_grads) if keep_outputs else set())
     alive: set[str] = set(inputs) | set(initially_alive or ())
     consumed: set[str] = set()
     forgotten_grads: set[str] = set()

@@ -80,7 +80,9 @@ def _check_exact_training(name, dtype, fraction, solver, **build):
     for (out_e, grad_e, _), (out_g, grad_g, peak_g) in zip(expected, got):
         assert all(torch.equal(a, b) for a, b in zip(out_e, out_g))
         assert all(torch.equal(a, b) for a, b in zip(grad_e, grad_g))
-        assert peak_g <= budget, (peak_g, budget)
+        # the loss's own scalar and its gradient (allocated by the test, not by the module)
+        loss_bytes = 2 * out_g[0].element_size()
+        assert peak_g <= budget + loss_bytes, (peak_g, budget)
         assert abs(peak_g - compiled.plan.predicted_peak) <= 0.05 * compiled.plan.predicted_peak, (
             peak_g, compiled.plan.predicted_peak)
     for (k, a), (_, b) in zip(reference.named_buffers(), model.named_buffers()):
