@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from rkgb.cdgraph import ModelChain
 from solvers.block_options import GridReport, solve_class_options
 from solvers.checkmate_ilp import RkCheckmateILP
+from solvers.option_cache import OptionCache, default_cache
 from solvers.options import (
     BlockOption,
     ClassOptions,
@@ -223,20 +224,27 @@ class RockmateSolver(ChainPlanner):
     lazy_recompute: bool = True
     gap: float = 0.01
     reports: dict[int, GridReport] = field(default_factory=dict, repr=False)
+    cache: OptionCache | None = field(default_factory=lambda: default_cache, repr=False)
 
     def class_options(self, chain: ModelChain, index: int) -> ClassOptions:
+        settings = (self.peak_steps, self.save_steps, self.time_limit_s, self.ilp_solver,
+                    self.forward_recompute, self.lazy_recompute, self.gap)
         report = GridReport()
-        options = solve_class_options(
-            chain.classes[index],
-            peak_steps=self.peak_steps,
-            save_steps=self.save_steps,
-            time_limit_s=self.time_limit_s,
-            ilp_solver=self.ilp_solver,
-            forward_recompute=self.forward_recompute,
-            lazy_recompute=self.lazy_recompute,
-            gap=self.gap,
-            report=report,
-        )
+
+        def compute() -> ClassOptions:
+            return solve_class_options(
+                chain.classes[index],
+                peak_steps=self.peak_steps,
+                save_steps=self.save_steps,
+                time_limit_s=self.time_limit_s,
+                ilp_solver=self.ilp_solver,
+                forward_recompute=self.forward_recompute,
+                lazy_recompute=self.lazy_recompute,
+                gap=self.gap,
+                report=report,
+            )
+
+        options = compute() if self.cache is None else self.cache.get_or_compute(chain.classes[index], settings, compute)
         self.reports[index] = report
         return options
 

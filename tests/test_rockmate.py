@@ -83,8 +83,11 @@ def _check_exact_training(name, dtype, fraction, solver, **build):
         # the loss's own scalar and its gradient (allocated by the test, not by the module)
         loss_bytes = 2 * out_g[0].element_size()
         assert peak_g <= budget + loss_bytes, (peak_g, budget)
-        assert abs(peak_g - compiled.plan.predicted_peak) <= 0.05 * compiled.plan.predicted_peak, (
-            peak_g, compiled.plan.predicted_peak)
+        # never more than predicted (but for the loss's scalars); less by at most 10%: the
+        # simulator counts the gradients an add's backward passes to both its inputs as two
+        # tensors, while autograd passes the same tensor (a known, safe over-estimate)
+        predicted = compiled.plan.predicted_peak
+        assert 0.90 * predicted <= peak_g <= predicted + loss_bytes, (peak_g, predicted)
     for (k, a), (_, b) in zip(reference.named_buffers(), model.named_buffers()):
         assert torch.equal(a, b), k
     return compiled
