@@ -7,9 +7,12 @@ without a solve:
 
 1. the bounds of the grid come from three solves: the autograd schedule (no recomputation,
    the top corner), the smallest peak, the smallest saved memory;
-2. pairs are visited from the loosest to the tightest; the solution of a pair stays optimal for
-   every tighter pair that its measured (peak, saved) still fits, so those pairs are answered
-   without solving; a pair tighter than an infeasible one is infeasible;
+2. pairs are visited from the loosest to the tightest. The optimal time of a looser pair is a
+   lower bound for a tighter one, and every solution found so far whose measured (peak, saved)
+   fits the pair is feasible for it: when the best of those is no slower than the bound, the
+   pair is answered without solving (this covers "the solution of a looser pair still fits");
+   otherwise it is the MIP start of the solve (CBC). A pair tighter than an infeasible one is
+   infeasible;
 3. pairs with a save budget above the peak budget are the same as save = peak;
 4. each ILP has a time limit and keeps its best feasible solution;
 5. equal solutions are merged and dominated ones dropped (:func:`pareto_front`).
@@ -36,6 +39,7 @@ class GridReport:
     reused: int = 0
     pruned_infeasible: int = 0
     time_limit_hits: int = 0
+    grid_limit_skipped: int = 0
     build_s: float = 0.0
     bounds_s: float = 0.0
     grid_s: float = 0.0
@@ -69,6 +73,8 @@ def solve_class_options(
     forward_recompute: bool = True,
     lazy_recompute: bool = False,
     gap: float = 0.0,
+    warm_start: bool = True,
+    grid_time_limit_s: float | None = None,
     report: GridReport | None = None,
 ) -> ClassOptions:
     """The options of one class: rk-Checkmate on ``graph`` for a grid of budget pairs.
@@ -86,6 +92,11 @@ def solve_class_options(
         ``"cbc"`` (bundled with pulp) or ``"highs"`` (``highspy``).
     gap
         Relative optimality gap accepted from the ILP solver (0: proven optimal).
+    warm_start
+        Give CBC the best known solution that fits a pair as its first incumbent.
+    grid_time_limit_s
+        Stop solving new pairs after this long (the options found so far are kept; the
+        report counts the pairs left unsolved).
 
     Returns
     -------
@@ -107,8 +118,10 @@ def solve_class_options(
         option.time_limit_hit = solution.time_limit_hit
         return option
 
-    lowest_peak = measured(ilp.solve(None, None, objective="peak", time_limit_s=time_limit_s, solver=ilp_solver, gap=gap), "min peak")
-    lowest_save = measured(ilp.solve(None, None, objective="save", time_limit_s=time_limit_s, solver=ilp_solver, gap=gap), "min save")
+    peak_solution = ilp.solve(None, None, objective="peak", time_limit_s=time_limit_s, solver=ilp_solver, gap=gap)
+    save_solution = ilp.solve(None, None, objective="save", time_limit_s=time_limit_s, solver=ilp_solver, gap=gap)
+    lowest_peak = measured(peak_solution, "min peak")
+    lowest_save = measured(save_solution, "min save")
     for o in (lowest_peak, lowest_save):
         if o is not None:
             options.append(o)
@@ -119,8 +132,15 @@ def solve_class_options(
     peaks = _linspace(min_peak, top.peak_bytes, peak_steps)
     saves = _linspace(min_save, top.saved_bytes, save_steps)
 
-    # (peak budget, save budget, solution figures) of pairs already answered
-    answered: list[tuple[int, int, BlockOption]] = []
+    # every feasible solution found so far: (computes, option); an option that fits a pair is
+    # a feasible start (MIP start) for it, and the best of them is optimal when it is no slower
+    # than the solution of a looser pair (a lower bound: tightening budgets never helps)
+    known: list[tuple[list[str], BlockOption]] = [([c.name for c in graph.compute_nodes], top)]
+    for solution, option in ((peak_solution, lowest_peak), (save_solution, lowest_save)):
+        if option is not None:
+            known.append((solution.computes, option))
+    # (peak budget, save budget, near-optimal option) of pairs answered with a proof
+    answered: list[tuple[int, int, BlockOption]] = [(top.peak_bytes, top.saved_bytes, top)]
     infeasible: list[tuple[int, int]] = []
     for peak in sorted(peaks, reverse=True):
         for save in sorted(saves, reverse=True):
@@ -129,13 +149,17 @@ def solve_class_options(
             if any(peak <= p and save <= s for p, s in infeasible):
                 report.pruned_infeasible += 1
                 continue
-            if any(
-                peak <= p and save <= s and o.peak_bytes <= peak and o.saved_bytes <= save and not o.time_limit_hit
-                for p, s, o in answered
-            ):
+            fitting = [(c, o) for c, o in known if o.peak_bytes <= peak and o.saved_bytes <= save]
+            best = min(fitting, key=lambda co: co[1].time_s, default=None)
+            bounds = [o.time_s for p, s, o in answered if peak <= p and save <= s]
+            if best is not None and bounds and best[1].time_s <= max(bounds) * (1 + 1e-9):
                 report.reused += 1
                 continue
-            solution = ilp.solve(peak, save, time_limit_s=time_limit_s, solver=ilp_solver, gap=gap)
+            if grid_time_limit_s is not None and time.perf_counter() - start > grid_time_limit_s:
+                report.grid_limit_skipped += 1  # the best fitting option (if any) is already kept
+                continue
+            solution = ilp.solve(peak, save, time_limit_s=time_limit_s, solver=ilp_solver, gap=gap,
+                                 start=best[0] if best is not None and warm_start else None)
             report.solved += 1
             option = measured(solution, f"peak<={peak}, save<={save}")
             if option is None:
@@ -145,8 +169,13 @@ def solve_class_options(
                     report.time_limit_hits += 1
                 continue
             report.time_limit_hits += int(option.time_limit_hit)
-            answered.append((peak, save, option))
-            options.append(option)
+            if best is not None and best[1].time_s < option.time_s:
+                option = best[1]  # the solver stopped (time limit, gap) above the start
+            else:
+                known.append((solution.computes, option))
+                options.append(option)
+            if not option.time_limit_hit:
+                answered.append((peak, save, option))
     report.grid_s = time.perf_counter() - start - report.build_s - report.bounds_s
     front = pareto_front(options)
     report.total_s = time.perf_counter() - start
@@ -158,5 +187,6 @@ def solve_class_options(
         notes=[
             f"{report.pairs} pairs: {report.solved} solved, {report.reused} reused, "
             f"{report.pruned_infeasible} infeasible by dominance, {report.time_limit_hits} time limits hit"
+            + (f", {report.grid_limit_skipped} left by the grid time limit" if report.grid_limit_skipped else "")
         ],
     )
