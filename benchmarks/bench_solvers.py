@@ -2,7 +2,8 @@
 
 Run ``python benchmarks/bench_solvers.py [--quick]``. Every function takes plain data (a
 ModelChain or ChainCosts), so the real GPT chains from rkgb can be plugged in:
-``bench_option_grid(chain)``, ``bench_quality(make_chain, layers)``.
+``bench_option_grid(chain)``, ``bench_quality(layers)`` (the real GPT chains of rkgb,
+flops cost model), ``bench_attention_grids()``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from solvers import (  # noqa: E402
     RotorSolver,
     simulate,
     solve_chain,
+    highs_available,
     solve_class_options,
 )
 from solvers.registry import no_recompute_schedule  # noqa: E402
@@ -85,46 +87,109 @@ def bench_option_grid(chain: ModelChain, peak_steps: int = 10, save_steps: int =
 
 
 def gpt_like_chain(layers: int, seq: int = 256, batch: int = 4) -> ModelChain:
+    """A synthetic GPT-like chain (toy graphs, no torch)."""
     block = attention_like_graph(batch=batch, seq=seq, name="gpt_block")
     return chain_of([block], [0] * layers)
 
 
-def bench_quality(layers_list=(2, 3, 4), checkmate_time_limit_s: float = 120.0) -> None:
-    """Rockmate against whole-graph Checkmate and Rotor on GPT-like chains."""
+def real_gpt_chain(layers: int | None = None, preset: str | None = None) -> ModelChain:
+    """The chain rkgb builds for the test zoo's GPT (flops cost model): ``layers`` layers of the
+    tiny GPT (d=32, 4 heads, seq 16), or ``preset="bench"`` (4 layers, d=256, seq 128, batch 4)."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path[:0] = [str(root), str(root / "tests")]
+    from rkgb.build import build
+    from zoo import ZOO
+
+    model, sample = ZOO["gpt"].build(preset) if preset else ZOO["gpt"].build(n_layer=layers)
+    return build(model, sample, cost_model="flops").model_chain
+
+
+def attention_class(chain: ModelChain) -> int:
+    """Index of the class with the most compute nodes (the attention sub-block of a GPT)."""
+    return max(range(len(chain.classes)), key=lambda i: len(chain.classes[i].compute_nodes))
+
+
+def bench_quality(layers_list=(2, 3, 4), fractions=(0.5, 0.6, 0.7, 0.8, 0.9),
+                  checkmate_time_limit_s: float = 30.0, ilp_solver: str = "cbc") -> None:
+    """Rockmate against whole-graph Checkmate and Rotor on the real GPT chains (rkgb, flops).
+
+    Budgets are fractions of the no-recomputation peak; times are the simulator's predictions.
+    """
     for layers in layers_list:
-        chain = gpt_like_chain(layers)
-        rockmate, rotor = RockmateSolver(), RotorSolver()
-        checkmate = CheckmateSolver(time_limit_s=checkmate_time_limit_s)
+        start = time.perf_counter()
+        chain = real_gpt_chain(layers)
+        build_s = time.perf_counter() - start
+        rockmate, rotor = RockmateSolver(ilp_solver=ilp_solver, cache=None), RotorSolver()
+        checkmate = CheckmateSolver(time_limit_s=checkmate_time_limit_s, ilp_solver=ilp_solver)
         top = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
         start = time.perf_counter()
+        rockmate.chain_costs(chain)
+        options_s = time.perf_counter() - start
+        start = time.perf_counter()
         rk_min = rockmate.min_budget(chain)
-        rk_time = time.perf_counter() - start
+        rk_min_s = time.perf_counter() - start
         ro_min = rotor.min_budget(chain)
-        print(f"GPT-like {layers} layers: no-recompute peak {top / MiB:.0f} MiB; min budget rockmate "
-              f"{rk_min / MiB:.0f} MiB, rotor {ro_min / MiB:.0f} MiB (ratio {rk_min / ro_min:.2f}); "
-              f"rockmate options in {rk_time:.1f} s")
-        print("  budget MiB | rockmate time | checkmate time | rotor time | rk/cm")
-        for fraction in (0.5, 0.65, 0.8, 1.0):
-            budget = int(rk_min + fraction * (top - rk_min))
+        start = time.perf_counter()
+        cm_min = checkmate.min_budget(chain)
+        cm_min_s = time.perf_counter() - start
+        print(f"GPT {layers} layers ({len(chain.blocks)} blocks, {len(chain.classes)} classes): no-recompute peak "
+              f"{top} B; build {build_s:.1f} s; rockmate options {options_s:.1f} s, min budget {rk_min_s:.2f} s; "
+              f"checkmate min budget {cm_min_s:.1f} s")
+        for index, report in sorted(rockmate.reports.items()):
+            graph = chain.classes[index]
+            print(f"  class {index} ({len(graph.compute_nodes)} C-nodes): grid {report.total_s:.2f} s "
+                  f"(bounds {report.bounds_s:.2f} + pairs {report.grid_s:.2f}); {report.pairs} pairs, "
+                  f"{report.solved} solved, {report.reused} reused, {report.time_limit_hits} time limits")
+        print(f"  min budget / top: rockmate {rk_min / top:.3f}, rotor {ro_min / top:.3f}, checkmate "
+              f"{cm_min / top:.3f}; rockmate / rotor = {rk_min / ro_min:.3f}")
+        print("  budget/top | rockmate ms | checkmate ms       | rotor ms | rk/cm  | rk plan s | cm plan s")
+        for fraction in fractions:
+            budget = int(fraction * top)
             a = rockmate.solve(chain, budget)
             c = checkmate.solve(chain, budget)
             r = rotor.solve(chain, budget)
+
+            def ms(plan):
+                return f"{plan.predicted_time * 1e3:.5f}" if plan.feasible else "infeasible"
+
             ratio = a.predicted_time / c.predicted_time if c.feasible and a.feasible else float("nan")
-            print(f"  {budget / MiB:10.0f} | {a.predicted_time * 1e3:11.3f}ms | "
-                  f"{c.predicted_time * 1e3 if c.feasible else float('nan'):12.3f}ms"
-                  f"{' (limit)' if c.time_limit_hit else ''} | "
-                  f"{r.predicted_time * 1e3 if r.feasible else float('nan'):8.3f}ms | {ratio:.4f}")
+            limit = " (limit)" if c.time_limit_hit else ""
+            print(f"  {fraction:10.2f} | {ms(a):>11} | {ms(c) + limit:>18} | {ms(r):>8} | {ratio:.4f} | "
+                  f"{a.solve_time_s:9.2f} | {c.solve_time_s:9.1f}")
+
+
+def bench_attention_grids(solvers=("cbc", "highs")) -> None:
+    """The option grid (10 x 10) of the attention class, tiny GPT (2 layers) and bench GPT."""
+    for label, chain in (("tiny GPT", real_gpt_chain(2)), ("bench GPT", real_gpt_chain(preset="bench"))):
+        index = attention_class(chain)
+        for solver in solvers:
+            if solver == "highs" and not highs_available():
+                continue
+            print(f"{label}, attention class:", end=" ")
+            bench_option_grid(ModelChain_of(chain, index), ilp_solver=solver)
+
+
+def ModelChain_of(chain: ModelChain, index: int):
+    """A view of ``chain`` with only class ``index`` (what bench_option_grid iterates)."""
+
+    class _One:
+        classes = [chain.classes[index]]
+
+    return _One()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="skip the quality table")
     parser.add_argument("--ilp-solver", default="cbc", choices=["cbc", "highs"])
+    parser.add_argument("--layers", default="2,3,4", help="GPT layers of the quality table")
+    parser.add_argument("--checkmate-time-limit", type=float, default=30.0)
     args = parser.parse_args()
     bench_dp()
-    bench_option_grid(gpt_like_chain(1), ilp_solver=args.ilp_solver)
+    bench_attention_grids()
     if not args.quick:
-        bench_quality()
+        bench_quality(tuple(int(x) for x in args.layers.split(",")), ilp_solver=args.ilp_solver,
+                      checkmate_time_limit_s=args.checkmate_time_limit)
 
 
 if __name__ == "__main__":

@@ -128,3 +128,36 @@ def test_class_options_are_a_pareto_front_measured_by_the_simulator():
     for a in options:
         for b in options:
             assert a is b or not (a.dominates(b) and a.key() != b.key())
+
+
+
+@pytest.mark.parametrize("name", ["multi_output", "random0"])
+def test_mip_start_keeps_the_optimum(name):
+    graph = GRAPHS[name]()
+    results = brute_force(graph)
+    ilp = RkCheckmateILP(graph)
+    for _, peak, save in sorted(results, key=lambda r: r[1])[:: max(1, len(results) // 6)]:
+        cold = ilp.solve(peak, save, time_limit_s=20)
+        warm = ilp.solve(peak, save, time_limit_s=20, start=cold.computes)
+        assert warm.feasible and warm.objective == pytest.approx(cold.objective, abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["multi_output", "random0", "random1"])
+def test_pruned_grid_answers_every_pair_optimally(name):
+    """The pairs answered without a solve (lower bound of a looser pair) are answered
+    optimally: at every grid pair, the best option that fits is as fast as the ILP's optimum."""
+    from solvers.block_options import _linspace
+
+    graph = GRAPHS[name]()
+    options = solve_class_options(graph, peak_steps=5, save_steps=5, gap=0.0).options
+    top = max(options, key=lambda o: (o.peak_bytes, o.saved_bytes))
+    ilp = RkCheckmateILP(graph)
+    for peak in _linspace(min(o.peak_bytes for o in options), top.peak_bytes, 5):
+        for save in _linspace(min(o.saved_bytes for o in options), top.saved_bytes, 5):
+            save = min(save, peak)
+            fitting = [o.time_s for o in options if o.peak_bytes <= peak and o.saved_bytes <= save]
+            solution = ilp.solve(peak, save, time_limit_s=20)
+            if not solution.feasible:
+                continue
+            best = option_from_computes(graph, solution.computes).time_s
+            assert fitting and min(fitting) == pytest.approx(best, rel=1e-9)
