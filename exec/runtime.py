@@ -71,7 +71,8 @@ class _GradSink:
     """Collects the gradient of a node's leaf as eager PyTorch's ``InputBuffer`` would.
 
     A pre-hook on the leaf's ``AccumulateGrad`` node: it stores the first contribution as is
-    (no copy into the leaf's layout, unlike ``AccumulateGrad``), adds later ones, and tells
+    (no copy into the leaf's layout, unlike ``AccumulateGrad``; a copy only when it is a
+    slice of a bigger storage, whose memory it would hold), adds later ones, and tells
     ``AccumulateGrad`` to do nothing. The node's backward then receives exactly the gradient
     that eager PyTorch would pass to it, in the same memory layout, so that reductions in
     that backward (a bias gradient) round identically.
@@ -91,6 +92,10 @@ class _GradSink:
         if grad is not None:
             old = self.leaf.grad
             if old is None:
+                if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+                    # a slice of a bigger gradient (cat's backward): keeping it would keep the
+                    # whole storage alive after the plan forgets the bigger gradient
+                    grad = grad.clone()
                 self.leaf.grad = grad
                 self.owned = False
             elif self.owned:
