@@ -89,10 +89,17 @@ def main(steps: int = 4) -> bool:
 
     start = time.perf_counter()
     compiled = Rockmate(model, (tokens,), budget)
-    print(f"planned in {time.perf_counter() - start:.1f} s: {compiled}")
+    print(f"planned in {time.perf_counter() - start:.1f} s: {compiled.extra_repr()}")
     print(f"predicted peak {format_bytes(compiled.plan.predicted_peak)}, predicted time "
           f"{compiled.plan.predicted_time * 1e3:.1f} ms (without recomputation "
           f"{compiled.plan.baseline_time * 1e3:.1f} ms)")
+
+    # the loss (cross-entropy) allocates its own memory on top of the module's: measure it
+    logits = torch.randn(4, 128, 512, requires_grad=True)
+    with AllocationTracker() as tracker:
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    loss_bytes = tracker.peak_bytes - logits.numel() * logits.element_size()  # its grad is planned
+    del logits
 
     eager_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     rock_opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -113,12 +120,15 @@ def main(steps: int = 4) -> bool:
         eager_peaks.append(peak_eager), rock_peaks.append(peak_rock)
         print(f"step {step}: eager {format_bytes(peak_eager)} {t_eager * 1e3:.0f} ms | "
               f"rockmate {format_bytes(peak_rock)} {t_rock * 1e3:.0f} ms | bitwise equal: {same}")
-    print(f"peak memory: eager {format_bytes(max(eager_peaks))}, rockmate {format_bytes(max(rock_peaks))} "
-          f"(budget {format_bytes(budget)})")
+    within = max(rock_peaks) <= budget + loss_bytes
+    print(f"peak memory (model + loss): eager {format_bytes(max(eager_peaks))}, rockmate "
+          f"{format_bytes(max(rock_peaks))}; budget of the model {format_bytes(budget)} (predicted "
+          f"{format_bytes(compiled.plan.predicted_peak)}) + the loss's own at most "
+          f"{format_bytes(loss_bytes)}: {'kept' if within else 'EXCEEDED'}")
     print(f"median step time: eager {statistics.median(eager_times) * 1e3:.0f} ms, rockmate "
           f"{statistics.median(rock_times) * 1e3:.0f} ms")
     print(f"outputs, gradients and weights bitwise equal to eager at every step: {exact}")
-    return exact and max(rock_peaks) <= budget
+    return exact and within
 
 
 if __name__ == "__main__":
