@@ -26,7 +26,7 @@ from __future__ import annotations
 import linecache
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch

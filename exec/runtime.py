@@ -10,7 +10,7 @@ outputs, so the parameters' gradients accumulate in ``p.grad`` directly, as in e
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn

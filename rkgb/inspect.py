@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .blocks import INPUT_NAME, Block, Chain
+from .blocks import Block, Chain
 from .interpret import initial_environment, run_lines
 from .memory import AllocationTracker
 from .saved import SavedTensors

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from exec import CompiledModule

@@ -216,7 +216,6 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
     n_options = [len(b.options) for b in blocks]
     no_grad_time = np.array([b.no_grad_time for b in blocks])
     no_grad_cumulative = np.concatenate([[0.0], np.cumsum(no_grad_time)])
-    slots_range = np.arange(size)
 
     for length in range(1, n + 1):
         for s in range(0, n - length + 1):

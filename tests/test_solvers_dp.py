@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from solvers.options import BlockOption, ClassOptions, autograd_option, no_grad_forward, option_from_computes
+from solvers.options import ClassOptions, autograd_option, no_grad_forward, option_from_computes
 from solvers.registry import ChainPlanner, RotorSolver, no_recompute_schedule
 from solvers.rotor_dp import ChainAction, solve_chain, strategy_peak, strategy_time
 from solvers.simulate import simulate
