@@ -10,7 +10,7 @@ convolution) stay undecomposed.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,7 +40,6 @@ class CapturedGraph:
     user_outputs: list[str]
     buffer_mutations: dict[str, str]
     output_is_tuple: bool
-    sample_constants: dict[int, object] = field(default_factory=dict)
 
     def placeholder_values(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The current tensors behind the parameter, buffer and constant placeholders."""
@@ -106,14 +105,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             f"the model takes {len(args)} positional inputs but the export has {len(user_inputs)}; "
             "pass the sample as a tuple of positional arguments (no keyword arguments)"
         )
-    inputs: list[str | None] = []
-    sample_constants: dict[int, object] = {}
-    for index, (name, value) in enumerate(zip(user_inputs, args)):
-        if isinstance(value, torch.Tensor):
-            inputs.append(name)
-        else:
-            inputs.append(None)
-            sample_constants[index] = value
+    inputs = [name if isinstance(value, torch.Tensor) else None for name, value in zip(user_inputs, args)]
 
     user_outputs: list[str] = []
     buffer_mutations: dict[str, str] = {}
@@ -138,5 +130,4 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         user_outputs=user_outputs,
         buffer_mutations=buffer_mutations,
         output_is_tuple=output_is_tuple,
-        sample_constants=sample_constants,
     )

@@ -145,7 +145,7 @@ def _outputs_of(node: SimplifiedNode, env) -> list[torch.Tensor]:
     return [env[o.fx_name] for o in node.outputs]
 
 
-def _device_of(graph: SimplifiedGraph, model: nn.Module, sample) -> torch.device:
+def _device_of(model: nn.Module) -> torch.device:
     for value in list(model.parameters()) + list(model.buffers()):
         return value.device
     return torch.device("cpu")
@@ -163,7 +163,7 @@ def inspect_chain(
 
     The model's parameters, buffers, gradients and the global RNG state are left as found.
     """
-    device = _device_of(graph, model, sample)
+    device = _device_of(model)
     clock = _Clock(cost_model, device, repeats)
     representatives = {cls.representative: cls.index for cls in chain.classes}
     position = {node.name: i for i, node in enumerate(graph.nodes)}
@@ -295,12 +295,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             phantom_bytes = saved.phantom_bytes(name)
             requires_grad = any(t.requires_grad for t in outputs)
 
-            def forward_no_grad():
-                with torch.no_grad():
-                    local = dict(env)
-                    run_lines(forward_lines, local)
-
-            forward_time = clock(forward_no_grad if not requires_grad else _rerun_with_grad(forward_lines, env), data_bytes)
+            forward_time = clock(_rerun(forward_lines, env, requires_grad), data_bytes)
             islands[name] = outputs
             make_leaves(node, outputs)
             measure = NodeMeasure(
@@ -353,10 +348,11 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     )
 
 
-def _rerun_with_grad(lines, env):
+def _rerun(lines, env, with_grad: bool):
+    """A function that runs ``lines`` again on a copy of ``env`` (for timing)."""
+
     def run():
-        with torch.enable_grad():
-            local = dict(env)
-            run_lines(lines, local)
+        with torch.set_grad_enabled(with_grad):
+            run_lines(lines, dict(env))
 
     return run

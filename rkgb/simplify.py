@@ -325,8 +325,8 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
     return _sink_free_nodes(simplified)
 
 
-def _static_lines(static_inputs, static) -> list[torch.fx.Node]:
-    lines: list[torch.fx.Node] = []
+def _merge_static_lines(lines: list[torch.fx.Node], static_inputs, static) -> list[torch.fx.Node]:
+    """Append to ``lines`` the static lines of ``static_inputs`` it lacks, in order."""
     for n in static_inputs:
         for line in static[n.name]:
             if line not in lines:
@@ -334,12 +334,14 @@ def _static_lines(static_inputs, static) -> list[torch.fx.Node]:
     return lines
 
 
+def _static_lines(static_inputs, static) -> list[torch.fx.Node]:
+    return _merge_static_lines([], static_inputs, static)
+
+
 def _add_deps(node, fx_node, inputs, owner, nodes, static) -> None:
     for n in inputs:
         if n.name in static:
-            for line in static[n.name]:
-                if line not in node.prelude:
-                    node.prelude.append(line)
+            _merge_static_lines(node.prelude, [n], static)
             continue
         holder = owner.get(n.name)
         if holder is None:
