@@ -118,7 +118,7 @@ def test_generated_code_is_readable_and_registered():
     assert "aten.linear.default(" in code and "# fwd_linear (no grad)" in code
     assert "# fwd_linear (with grad), recomputation" in code
     assert "# forget linear.data" in code and "# bwd_linear" in code
-    assert "rng_set(s.rng_native_dropout)" in code  # a dropout replays its RNG state
+    assert "rng_set(s.rng_dropout" in code  # a dropout replays its RNG state
     filename = next(iter(compiled._runners.values())).code.filename
     assert linecache.getline(filename, 1).startswith("def forward_phase")
 
