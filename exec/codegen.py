@@ -151,8 +151,13 @@ class _Generator:
         infos: dict[str, NodeInfo],
         input_requires_grad: list[bool],
         device: torch.device,
+        merged: dict[str, str] | None = None,
     ) -> None:
         self.graph = graph
+        # merged islands (exec.merge): a -> b, b reads a's outputs directly, not via leaves
+        self.merged = dict(merged or {})
+        self.reads_raw = {b: a for a, b in self.merged.items()}
+        self.raw_outputs: dict[str, str] = {}  # fx name -> local of a merged node's output
         self.schedule = schedule
         self.infos = infos
         self.device = device
@@ -260,6 +265,12 @@ class _Generator:
         w.indent += 1
         self.local_values = {}
         local_names = []
+        merged_in = with_grad and name in self.merged  # b reads our outputs, not leaves
+        if with_grad and name in self.reads_raw:
+            # the island of the node merged into this one: read its outputs, not its leaves
+            self.local_values.update(self.raw_outputs)
+            local_names += self.raw_outputs.values()
+        self.raw_outputs = {}
         for line in node.lines:
             if line.name in info.updates:
                 if not first:
@@ -280,14 +291,17 @@ class _Generator:
             # keep only the gradient edges of the island's outputs: holding the outputs
             # themselves would keep their memory (and their bases') alive after a forget
             w(f"finish_island({name!r}, {self.tuple(exported)})")
-            for out in exported:
-                if info.exported_requires_grad[out]:
-                    w(f"s.{self.island_names[out]} = gradient_edge({out})")
+            if merged_in:
+                w.comment(f"{self.merged[name]} reads these outputs: one island with it")
+            else:
+                for out in exported:
+                    if info.exported_requires_grad[out]:
+                        w(f"s.{self.island_names[out]} = gradient_edge({out})")
             self.has_graph.add(name)
         for out in exported:
             if first:
                 # detach even without grad: a view keeps its base (and its memory) alive
-                if info.exported_requires_grad[out]:
+                if info.exported_requires_grad[out] and name not in self.merged:
                     w(f"s.{out} = {out}.detach().requires_grad_(); s.sink_{out} = grad_sink(s.{out})")
                 else:
                     w(f"s.{out} = {out}.detach()")
@@ -295,6 +309,9 @@ class _Generator:
                 w(f"s.{out}.data = {out}")
         if exported:
             w(f"register_data({name!r}, {self.tuple(f's.{o}' for o in exported)})")
+        if merged_in:
+            self.raw_outputs = {out: out for out in exported}
+            local_names = [n for n in local_names if n not in self.raw_outputs]
         if local_names:
             w(f"del {', '.join(local_names)}")
         self.local_values = {}
@@ -329,6 +346,10 @@ class _Generator:
                 f"bwd_{name} runs while {name} has no autograd graph: the schedule must run "
                 f"Compute('fwd_{name}', with_grad=True) after the previous bwd_{name}"
             )
+        if name in self.merged:
+            w(f"pass  # ran within bwd_{self.merged[name]}: one island")
+            self.has_graph.discard(name)
+            return
         outs = [o for o in info.exported if info.exported_requires_grad[o]]
         if len(outs) == 1:
             out = outs[0]
@@ -356,6 +377,9 @@ class _Generator:
             for out in info.exported:
                 w(f"s.{out}.data = {self.placeholder(name, out)}")
         elif kind == "grad":
+            if name in self.merged:
+                w(f"pass  # never materialized: {name} shares the island of {self.merged[name]}")
+                return
             for out in info.exported:
                 if info.exported_requires_grad[out]:
                     w(f"s.{out}.grad = None")
@@ -445,18 +469,20 @@ def generate(
     input_requires_grad: list[bool],
     runtime_globals: dict[str, Any],
     device: torch.device | str = "cpu",
+    merged: dict[str, str] | None = None,
 ) -> GeneratedCode:
     """Generate, compile and register (in ``linecache``) the code of ``schedule``.
 
     ``runtime_globals`` are the helpers the code calls (``rng_get``, ``run_backward``, ...;
     see :mod:`exec.runtime`). Parameters, buffers and constants are globals named after their
-    placeholders; the caller binds their tensors (:func:`bind_globals`).
+    placeholders; the caller binds their tensors (:func:`bind_globals`). ``merged`` (``a ->
+    b``, from :func:`exec.merge.plan_merges`): nodes whose island ``b``'s includes.
 
     Raises:
         ScheduleError: the schedule names an unknown node, or runs a backward without an
             autograd graph.
     """
-    generator = _Generator(graph, schedule, infos, input_requires_grad, torch.device(device))
+    generator = _Generator(graph, schedule, infos, input_requires_grad, torch.device(device), merged)
     source = generator.generate()
     filename = _fresh_filename()
     namespace = dict(generator.globals)

@@ -5,7 +5,9 @@ an ``autograd.Function`` whose ``forward`` runs the generated forward phase and 
 ``backward`` runs the generated backward phase (Rockmate, ICML 2023, section 5). Each simplified
 node is an autograd island: its backward is a nested ``torch.autograd.backward`` from its own
 outputs, so the parameters' gradients accumulate in ``p.grad`` directly, as in eager PyTorch
-(optimizers, hooks and ``zero_grad`` work unchanged).
+(optimizers, hooks and ``zero_grad`` work unchanged). A node read by one node only, which the
+schedule always runs right before it, shares that node's island (:mod:`exec.merge`): one
+engine call and no leaf between them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from rkgb.simplify import SimplifiedGraph
 from solvers.schedule import Schedule
 
 from .codegen import GeneratedCode, generate, node_infos
+from .merge import plan_merges
 
 __all__ = ["CompiledModule", "StepState"]
 
@@ -184,8 +187,9 @@ class _Runner:
             "no_grad": torch.no_grad,
             "grad_sink": _GradSink,
         }
+        self.merged = plan_merges(graph, module.schedule, self.infos, module.cdgraph, module.peak_limit) if module.merge_islands else {}
         self.code: GeneratedCode = generate(
-            graph, module.schedule, self.infos, input_requires_grad, helpers, module.device
+            graph, module.schedule, self.infos, input_requires_grad, helpers, module.device, self.merged
         )
         self.module = module
 
@@ -210,6 +214,12 @@ class CompiledModule(nn.Module):
         ``x.grad``, ``x.phantoms``); see :mod:`solvers.schedule`.
     sample:
         The sample the graph was captured on: calls must have the same shapes and dtypes.
+    cdgraph, peak_limit:
+        The whole model's CD-graph and the plan's predicted peak: islands are merged
+        (:mod:`exec.merge`) only where the simulated peak of the real execution order stays
+        within ``peak_limit``. Without them, every merge the schedule allows is made.
+    merge_islands:
+        ``False`` keeps one autograd island per node.
 
     Raises
     ------
@@ -217,11 +227,15 @@ class CompiledModule(nn.Module):
         The schedule names an unknown node or runs a backward without an autograd graph.
     """
 
-    def __init__(self, model: nn.Module, graph: SimplifiedGraph, schedule: Schedule, sample) -> None:
+    def __init__(self, model: nn.Module, graph: SimplifiedGraph, schedule: Schedule, sample, *,
+                 cdgraph=None, peak_limit: int | None = None, merge_islands: bool = True) -> None:
         super().__init__()
         self.model = model
         self.graph = graph
         self.schedule = schedule
+        self.cdgraph = cdgraph
+        self.peak_limit = peak_limit
+        self.merge_islands = merge_islands
         sample = as_input_tuple(sample)
         captured = graph.captured
         self._sample_signature = [

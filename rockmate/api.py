@@ -105,7 +105,10 @@ class Rockmate(nn.Module):
         if not plan.feasible:
             raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver)
         self.plan = plan
-        self.compiled = CompiledModule(model, self.graphs.simplified, plan.schedule, sample)
+        self.compiled = CompiledModule(
+            model, self.graphs.simplified, plan.schedule, sample,
+            cdgraph=self.graphs.model_chain.whole_graph(), peak_limit=plan.predicted_peak,
+        )
 
     @property
     def model(self) -> nn.Module:

@@ -1,0 +1,174 @@
+"""Merged autograd islands: a node whose only reader always runs right after it shares its island.
+
+Each simplified node is normally an autograd island of its own (Rockmate, ICML 2023, section
+5): its outputs are detached into leaves, and its backward is one nested call of the autograd
+engine from those leaves' gradients. On small operations that costs more than the operation
+(a nested engine call, a leaf, a gradient hook: tens of microseconds per node on CPU). When a
+node ``a`` is read by one node ``b`` only, and the schedule always runs ``fwd_b`` with grad
+right after ``fwd_a`` with grad and ``bwd_a`` right after ``bwd_b`` (only forgets in
+between, none of ``a``'s data in the forward), ``b`` can read ``a``'s outputs directly instead of through leaves: ``b``'s
+backward then runs ``a``'s in the same engine call, exactly as eager PyTorch would (the
+gradient reaches ``a``'s backward without a leaf in between: same tensor, same layout).
+
+The one difference with the schedule is when the forgets between ``bwd_b`` and ``bwd_a`` take
+effect: after ``a``'s backward rather than before it. :func:`plan_merges` replays the
+schedule as it will really run (:func:`executed_order`) in the simulator and keeps only the
+merges under which the peak stays within the plan's predicted peak: the budget promise holds.
+"""
+
+from __future__ import annotations
+
+from solvers.schedule import Compute, Forget, Operation, Schedule
+from solvers.simulate import simulate
+
+__all__ = ["merge_candidates", "without_shared_reads", "plan_merges", "executed_order"]
+
+
+def merge_candidates(graph, infos) -> dict[str, str]:
+    """``a -> b`` for every node ``a`` whose exported tensors only ``b`` reads (both requiring
+    grad, none of ``a``'s tensors a model output). Independent of the schedule."""
+    readers: dict[str, set[str]] = {name: set() for name in infos}
+    owner = graph.owner
+    for node in graph.nodes:
+        for line in node.lines:
+            for arg in line.all_input_nodes:
+                holder = owner.get(arg.name)
+                if holder in readers and holder != node.name:
+                    readers[holder].add(node.name)
+    outputs = {owner.get(name, name) for name in graph.outputs}
+    candidates = {}
+    for name, info in infos.items():
+        if name in outputs or not info.requires_grad or not info.exported:
+            continue
+        if not all(info.exported_requires_grad[o] for o in info.exported):
+            continue
+        if len(readers[name]) == 1:
+            (reader,) = readers[name]
+            if infos[reader].requires_grad:
+                candidates[name] = reader
+    return candidates
+
+
+def _fits_schedule(ops: list[Operation], a: str, b: str) -> bool:
+    """``fwd_b`` (grad) after each ``fwd_a`` (grad) and only there, with only forgets of other
+    data in between; ``bwd_a`` after ``bwd_b`` with only forgets in between."""
+    fwd_a, fwd_b, bwd_a, bwd_b, a_data = f"fwd_{a}", f"fwd_{b}", f"bwd_{a}", f"bwd_{b}", f"{a}.data"
+
+    def with_grad(op: Operation, node: str) -> bool:
+        return isinstance(op, Compute) and op.node == node and op.with_grad
+
+    def neighbour(i: int, step: int) -> Operation | None:
+        """The first operation from ``i`` on (in direction ``step``) that is not a forget of
+        data other than ``a``'s."""
+        i += step
+        while 0 <= i < len(ops) and isinstance(ops[i], Forget) and ops[i].node != a_data:
+            i += step
+        return ops[i] if 0 <= i < len(ops) else None
+
+    found_backward = False
+    for i, op in enumerate(ops):
+        if with_grad(op, fwd_a) and not with_grad(neighbour(i, 1), fwd_b):
+            return False
+        if with_grad(op, fwd_b) and not with_grad(neighbour(i, -1), fwd_a):
+            return False
+        if isinstance(op, Compute) and op.node == bwd_a and not found_backward:
+            return False
+        if isinstance(op, Compute) and op.node == bwd_b:
+            j = i + 1
+            while j < len(ops) and isinstance(ops[j], Forget):
+                j += 1
+            if not (j < len(ops) and isinstance(ops[j], Compute) and ops[j].node == bwd_a):
+                return False
+            found_backward = True
+    return found_backward
+
+
+def executed_order(schedule: Schedule, merged: dict[str, str]) -> Schedule:
+    """The order in which a schedule really runs with ``merged`` islands (``a -> b``): the
+    backwards of a merged chain run together at its last node's ``bwd``, and the forgets
+    that the schedule placed between them take effect after the whole chain."""
+    absorbed_by = {f"bwd_{b}": f"bwd_{a}" for a, b in merged.items()}
+    ops = schedule.ops
+    out: list[Operation] = []
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if isinstance(op, Compute) and op.node in absorbed_by:
+            deferred: list[Operation] = []
+            out.append(op)
+            node = op.node
+            i += 1
+            while node in absorbed_by:
+                while isinstance(ops[i], Forget):
+                    deferred.append(ops[i])
+                    i += 1
+                assert ops[i].node == absorbed_by[node]  # checked by _fits_schedule
+                out.append(ops[i])
+                node = ops[i].node
+                i += 1
+            out += deferred
+            continue
+        out.append(op)
+        i += 1
+    return Schedule(out)
+
+
+def _read_holders(graph, node) -> set[str]:
+    """Nodes and globals (parameters, buffers, inputs) whose tensors ``node``'s lines read."""
+    owner = graph.owner
+    return {
+        owner.get(arg.name, arg.name)
+        for line in node.lines
+        for arg in line.all_input_nodes
+    } - {node.name}
+
+
+def without_shared_reads(graph, merges: dict[str, str]) -> dict[str, str]:
+    """The merges that keep every merged island from reading one tensor in two of its nodes.
+
+    Eager PyTorch sums all the gradient contributions to a tensor read several times (a
+    parameter of an unrolled RNN) before adding them to its ``.grad``; islands add them one
+    island at a time, in the same order, which rounds the same way only when each island
+    brings one contribution. Merges are taken in graph order.
+    """
+    chain_of: dict[str, str] = {}  # node -> first node of its merged chain
+    reads: dict[str, set[str]] = {}  # first node of a chain -> holders its nodes read
+    kept: dict[str, str] = {}
+    for node in graph.nodes:
+        b = node.name
+        a = next((x for x, y in merges.items() if y == b), None)
+        mine = _read_holders(graph, node)
+        if a is not None and a in chain_of:
+            head = chain_of[a]
+            if not (reads[head] - {a}) & (mine - {a}):
+                kept[a] = b
+                chain_of[b] = head
+                reads[head] |= mine
+                continue
+        chain_of[b] = b
+        reads[b] = set(mine)
+    return kept
+
+
+def plan_merges(graph, schedule: Schedule, infos, cdgraph=None, peak_limit: int | None = None) -> dict[str, str]:
+    """The merges (``a -> b``) the executor applies to ``schedule``.
+
+    Every structurally valid merge is kept when no CD-graph is given (schedules written by
+    hand, with no budget); with ``cdgraph`` and ``peak_limit`` (the plan's predicted peak),
+    merges are added one at a time and kept only if the simulated peak of the executed order
+    stays within ``peak_limit``.
+    """
+    ops = schedule.ops
+    candidates = {a: b for a, b in merge_candidates(graph, infos).items() if _fits_schedule(ops, a, b)}
+    candidates = without_shared_reads(graph, candidates)
+    if cdgraph is None or peak_limit is None:
+        return candidates
+    if simulate(cdgraph, executed_order(schedule, candidates)).peak_bytes <= peak_limit:
+        return candidates
+    accepted: dict[str, str] = {}
+    for a, b in candidates.items():
+        trial = dict(accepted)
+        trial[a] = b
+        if simulate(cdgraph, executed_order(schedule, trial)).peak_bytes <= peak_limit:
+            accepted = trial
+    return accepted
