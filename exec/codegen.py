@@ -386,6 +386,18 @@ class _Generator:
         else:
             w(f"free_phantoms({name!r})")
 
+    def shared_parameters(self) -> list[str]:
+        """Parameters read by more than one node (directly or through views)."""
+        readers: dict[str, set[str]] = {name: set() for name in self.graph.captured.parameters}
+        owner = self.graph.owner
+        for node in self.graph.nodes:
+            for line in node.lines:
+                for arg in line.all_input_nodes:
+                    holder = owner.get(arg.name, arg.name)
+                    if holder in readers:
+                        readers[holder].add(node.name)
+        return [name for name, nodes in readers.items() if len(nodes) > 1]
+
     # -- phases ----------------------------------------------------------------------------
     def header(self, w: _Writer) -> None:
         w("saved = s.saved")
@@ -435,11 +447,19 @@ class _Generator:
         w = _Writer()
         w('"""The backward phase of the schedule, from the gradients of the outputs."""')
         self.header(w)
+        shared = self.shared_parameters()
+        if shared:
+            w.comment("parameters read by several nodes: eager adds the sum of their contributions")
+            w.comment("to a .grad that holds values once; islands add them one by one (same order)")
+            for name in shared:
+                w(f"s.stash_{name} = stash_grad({name})")
         w.comment("loss: the gradients of the outputs")
         w("backward_outputs(s.outputs, grad_outputs)")
         w("s.outputs = None")
         for op in ops[loss + 1:]:
             self.operation(w, op, forward_phase=False)
+        for name in shared:
+            w(f"restore_grad({name}, s.stash_{name})")
         backward_source = ["def backward_phase(s, grad_outputs):"] + w.lines
         return "\n".join(forward_source) + "\n\n\n" + "\n".join(backward_source) + "\n"
 

@@ -109,6 +109,31 @@ class _GradSink:
         return (None,)
 
 
+def _stash_grad(parameter: torch.Tensor) -> torch.Tensor | None:
+    """Set aside a ``.grad`` that holds values (gradient accumulation over several steps).
+
+    Eager PyTorch sums the gradient contributions of a parameter read by several nodes (tied
+    weights, an unrolled RNN) and adds the sum to ``.grad`` once: ``g + (c1 + c2 + ...)``.
+    Islands add each contribution as it comes: ``(g + c1) + c2 ...``, equal only when ``g`` is
+    zero or None. So the old ``.grad`` is set aside, the contributions build the sum in
+    ``.grad``, and :func:`_restore_grad` adds it to the old one, as eager does. (A check of one
+    pass over the gradient; the sum takes one more parameter-sized buffer, as in eager.)
+    """
+    grad = parameter.grad
+    if grad is None or not bool(grad.any()):
+        return None
+    parameter.grad = None
+    return grad
+
+
+def _restore_grad(parameter: torch.Tensor, stash: torch.Tensor | None) -> None:
+    if stash is None:
+        return
+    if parameter.grad is not None:
+        stash.add_(parameter.grad)
+    parameter.grad = stash
+
+
 def _rng_helpers(device: torch.device):
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -186,6 +211,8 @@ class _Runner:
             "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,
             "grad_sink": _GradSink,
+            "stash_grad": _stash_grad,
+            "restore_grad": _restore_grad,
         }
         self.merged = plan_merges(graph, module.schedule, self.infos, module.cdgraph, module.peak_limit) if module.merge_islands else {}
         self.code: GeneratedCode = generate(

@@ -83,12 +83,13 @@ def _check_exact_training(name, dtype, fraction, solver, **build):
         # the loss's own scalar and its gradient (allocated by the test, not by the module)
         loss_bytes = 2 * out_g[0].element_size()
         assert peak_g <= budget + loss_bytes, (peak_g, budget)
-        # never more than predicted (but for the loss's scalars); less by at most 15%: the
-        # simulator counts the gradients an add's backward passes to both its inputs as two
-        # tensors, while autograd passes the same tensor (a known, safe over-estimate: 10.4% on
-        # transformer_encoder in float64, 0% on gpt, resnet, unet)
+        # never more than predicted (but for the loss's scalars), and within 5% of it: the
+        # simulator follows the executor's storages (gradients an add's backward passes on
+        # are one tensor, per-tensor gradients of split outputs, layouts of gradients, forward
+        # without grad); exact on the zoo but for over-estimates where a block only passes
+        # its output gradient through (see rkgb.build._drop_lasting_aliases)
         predicted = compiled.plan.predicted_peak
-        assert 0.85 * predicted <= peak_g <= predicted + loss_bytes, (peak_g, predicted)
+        assert 0.95 * predicted <= peak_g <= predicted + loss_bytes, (peak_g, predicted)
     for (k, a), (_, b) in zip(reference.named_buffers(), model.named_buffers()):
         assert torch.equal(a, b), k
     return compiled
@@ -164,3 +165,20 @@ def test_code_is_readable_and_render_writes_files(tmp_path):
     written = compiled.render(tmp_path)
     assert any(path.endswith("forward.svg") for path in written)
     assert all((tmp_path / p).exists() or __import__("os").path.exists(p) for p in written)
+
+
+@pytest.mark.parametrize("name", ["gpt", "rnn"])
+def test_gradient_accumulation_is_exact(name):
+    """Gradients accumulated over several steps without zeroing (micro-batches) equal eager's,
+    also for parameters read by several nodes (the GPT's tied embedding, the RNN's weights)."""
+    model, sample = ZOO[name].build()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        loss = DotLoss(copy.deepcopy(model)(*sample))
+    compiled = Rockmate(model, sample, int(0.5 * _eager_peak(copy.deepcopy(model), sample, loss)), cost_model="flops")
+    for module in (reference, compiled):
+        torch.manual_seed(0)
+        for _ in range(STEPS):
+            loss(module(*sample)).backward()
+    for (path, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), path
