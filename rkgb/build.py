@@ -41,7 +41,7 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
         data.append(DataNode(dname(INPUT_NAME, D), D, INPUT_NAME, measure.input_bytes))
         input_data.append(dname(INPUT_NAME, D))
         if measure.input_requires_grad:
-            data.append(DataNode(dname(INPUT_NAME, G), G, INPUT_NAME, measure.input_bytes))
+            data.append(_grad_node(INPUT_NAME, measure.input_grad_parts))
     sizes = {INPUT_NAME: measure.input_bytes}
     sizes.update({n.name: n.data_bytes for n in measure.nodes})
     grad_exists = {n.name for n in measure.nodes if n.requires_grad}
@@ -52,7 +52,7 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
         data.append(DataNode(dname(x, D), D, x, node.data_bytes))
         produces = [dname(x, D)]
         if node.requires_grad:
-            data.append(DataNode(dname(x, G), G, x, node.data_bytes))
+            data.append(_grad_node(x, node.grad_parts))
             data.append(DataNode(dname(x, P), P, x, node.phantom_bytes))
             produces.append(dname(x, P))
         forwards.append(
@@ -65,6 +65,7 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                 needs=[dname(d, D) for d in node.data_deps],
                 produces=produces,
                 is_random=node.is_random,
+                no_grad_overhead_bytes=node.no_grad_overhead_bytes,
             )
         )
         if node.requires_grad:
@@ -82,8 +83,15 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                     needs=needs,
                     needs_shape=[dname(d, D) for d in node.backward_shapes],
                     produces=[dname(d, G) for d in node.grads_to if d in grad_exists],
+                    contributes={
+                        dname(d, G): tuple(parts) for d, parts in node.grad_contributions.items() if d in grad_exists
+                    },
+                    aliases={
+                        dname(d, G): tuple(parts) for d, parts in node.grad_aliases.items() if d in grad_exists
+                    },
                 ),
             )
+    _drop_lasting_aliases(backwards, dname(INPUT_NAME, G))
     output_data = [dname(o, D) for o in measure.outputs]
     output_grads = [dname(o, G) for o in measure.outputs if o in grad_exists]
     if measure.input_requires_grad:
@@ -109,6 +117,38 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
     )
     graph.validate()
     return graph
+
+
+def _grad_node(target: str, parts: list[int]) -> DataNode:
+    """The gradient of ``target``: one tensor per tensor of it that other nodes read."""
+    return DataNode(dname(target, DataKind.GRAD), DataKind.GRAD, target, sum(parts),
+                    tuple(parts) if len(parts) > 1 else ())
+
+
+def _drop_lasting_aliases(backwards: list[ComputeNode], input_grad: str) -> None:
+    """Count a part of the block's input gradient as its own tensor when its only contribution
+    is an alias (the block's backward passes its output gradient through unchanged).
+
+    Chain figures add blocks up: block ``i``'s input gradient is block ``i-1``'s output
+    gradient, freed by block ``i-1``'s backward. An alias that lasted to the end of the block
+    would tie it to gradients of later blocks (the model's output gradients, which autograd
+    holds until the backward ends). Counting it apart over-estimates, only while both are
+    alive, and only in such pass-through blocks.
+    """
+    producers = [c for c in backwards if input_grad in c.produces]
+    for c in producers:
+        sources = c.aliases.get(input_grad)
+        if sources is None:
+            continue
+        kept = list(sources)
+        for i, j in enumerate(sources):
+            contributors = [p for p in producers if i in p.contributes.get(input_grad, (i,))]
+            if j >= 0 and len(contributors) == 1:
+                kept[i] = -1
+        if any(j >= 0 for j in kept):
+            c.aliases[input_grad] = tuple(kept)
+        else:
+            del c.aliases[input_grad]
 
 
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3) -> ModelGraphs:

@@ -18,9 +18,21 @@ Semantics that the solvers, the simulator and the executor share
 - ``Compute(bwd_x)`` needs ``x.grad``, ``x.phantoms`` (when its size is non-zero) and the
   data nodes in ``needs``; it makes alive (or accumulates into) the grads in ``produces``.
   The autograd graph of ``x`` is consumed: ``x.phantoms`` must be forgotten afterwards.
-- ``Forget(d)`` frees data node ``d``.
+- A gradient is one tensor per tensor of the node that other nodes read (its *parts*,
+  ``DataNode.parts``: a ``split`` into q, k, v has three); a backward contributes to all the
+  parts of each gradient it produces, or to those in ``contributes``. Each part is
+  accumulated as the executor does (as autograd's ``InputBuffer``): its first contribution is
+  kept as it is, the second is added out of place (a new tensor, which the part then *owns*),
+  later ones are added in place into it.
+- ``aliases[g][i] = j`` on ``bwd_x``: the first contribution to part ``i`` of gradient ``g`` is
+  part ``j`` of ``x.grad`` itself (``-1``: a new tensor). An ``add``'s backward passes its
+  incoming gradient to both of its inputs, a ``clone``'s or a reshape's passes it (or a view of
+  it) on. Both then share one storage, counted once while either holds it.
+- ``Forget(d)`` frees data node ``d`` (its storages, but those an alias still holds).
 - Every compute node needs, while it runs, ``overhead_bytes`` of temporary memory on top of
-  what is alive and of what it produces.
+  what is alive and of what it produces; a forward run without grad needs
+  ``no_grad_overhead_bytes`` instead (when set): it does not keep its phantoms, but it may
+  allocate them, or other temporaries, while it runs.
 - ``needs_shape`` are fake edges: the compute node only reads the shape of these data nodes,
   which therefore need not be alive.
 """
@@ -84,6 +96,12 @@ class DataNode:
     kind: DataKind
     target: str  # the simplified node it belongs to
     size_bytes: int
+    parts: tuple[int, ...] = ()  # sizes of its tensors when it is several (a gradient)
+
+    @property
+    def part_sizes(self) -> tuple[int, ...]:
+        """The sizes of its tensors: ``parts``, or one tensor of ``size_bytes``."""
+        return self.parts or (self.size_bytes,)
 
 
 @dataclass
@@ -99,6 +117,19 @@ class ComputeNode:
     needs_shape: list[str] = field(default_factory=list)  # fake edges: only the shape is read
     produces: list[str] = field(default_factory=list)  # data nodes it makes alive
     is_random: bool = False
+    # gradient produced -> the parts of it this backward contributes to (absent: all)
+    contributes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # gradient produced -> for each of its parts, the part of the node's own gradient that its
+    # first contribution is (-1: a new tensor)
+    aliases: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # temporary memory of a forward run without grad (None: ``overhead_bytes``)
+    no_grad_overhead_bytes: int | None = None
+
+    def overhead(self, with_grad: bool = True) -> int:
+        """Temporary memory while it runs (a forward's depends on ``with_grad``)."""
+        if not with_grad and self.no_grad_overhead_bytes is not None:
+            return self.no_grad_overhead_bytes
+        return self.overhead_bytes
 
 
 @dataclass
@@ -173,6 +204,8 @@ class CDGraph:
                 needs=[rename_data(d) for d in c.needs],
                 needs_shape=[rename_data(d) for d in c.needs_shape],
                 produces=[rename_data(d) for d in c.produces],
+                contributes={rename_data(g): v for g, v in c.contributes.items()},
+                aliases={rename_data(g): v for g, v in c.aliases.items()},
             )
 
         return CDGraph(
@@ -203,13 +236,40 @@ class CDGraph:
         for d in self.data_nodes:
             if d.size_bytes < 0:
                 raise CDGraphError(f"{self.name}: data node {d.name!r} has a negative size")
+            if d.parts and (sum(d.parts) != d.size_bytes or min(d.parts) < 0):
+                raise CDGraphError(f"{self.name}: the parts of {d.name!r} do not add up to its size")
             if d.name != data_name(d.target, d.kind):
                 raise CDGraphError(
                     f"{self.name}: data node {d.name!r} should be named {data_name(d.target, d.kind)!r}"
                 )
         for c in self.compute_nodes:
-            if c.overhead_bytes < 0 or c.time_s < 0:
+            if c.overhead_bytes < 0 or c.time_s < 0 or (c.no_grad_overhead_bytes or 0) < 0:
                 raise CDGraphError(f"{self.name}: compute node {c.name!r} has a negative cost")
+            own = self._data.get(data_name(c.target, DataKind.GRAD))
+            for table in (c.contributes, c.aliases):
+                for g in table:
+                    if g not in c.produces or g not in self._data or self._data[g].kind is not DataKind.GRAD:
+                        raise CDGraphError(
+                            f"{self.name}: {c.name!r} declares parts of {g!r}, which is not a "
+                            "gradient it produces"
+                        )
+            for g, indices in c.contributes.items():
+                count = len(self._data[g].part_sizes)
+                if not all(0 <= i < count for i in indices):
+                    raise CDGraphError(
+                        f"{self.name}: {c.name!r} contributes to parts {indices} of {g!r}, which has {count}"
+                    )
+            for g, sources in c.aliases.items():
+                if (
+                    c.kind is not ComputeKind.BACKWARD
+                    or own is None
+                    or len(sources) != len(self._data[g].part_sizes)
+                    or not all(-1 <= j < len(own.part_sizes) for j in sources)
+                ):
+                    raise CDGraphError(
+                        f"{self.name}: {c.name!r} declares the parts of {g!r} aliases of {sources}; "
+                        "an alias is a part of the backward's own gradient, one entry per part"
+                    )
             for d in c.needs + c.needs_shape + c.produces:
                 if d not in self._data:
                     raise CDGraphError(
@@ -239,8 +299,17 @@ class CDGraph:
                     )
             alive_ever.update(c.produces)
         for d in self.input_grads:
-            if not self.producers(d):
+            producers = self.producers(d)
+            if not producers:
                 raise CDGraphError(f"{self.name}: input grad {d!r} is produced by no backward node")
+            for i in range(len(self._data[d].part_sizes)):
+                contributors = [c for c in producers if i in c.contributes.get(d, (i,))]
+                if len(contributors) == 1 and contributors[0].aliases.get(d, (-1,) * (i + 1))[i] >= 0:
+                    raise CDGraphError(
+                        f"{self.name}: part {i} of input grad {d!r} is only an alias made by "
+                        f"{contributors[0].name!r}: it would share a storage with the gradients of "
+                        "later blocks, which chain figures cannot add up; count it as a new tensor"
+                    )
 
 
 @dataclass

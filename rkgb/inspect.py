@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from .blocks import Block, Chain
 from .interpret import initial_environment, run_lines
 from .memory import AllocationTracker
-from .saved import SavedTensors
+from .saved import SavedTensors, storage_key
 from .simplify import SimplifiedGraph, SimplifiedNode
 
-__all__ = ["NodeMeasure", "BlockMeasure", "inspect_chain", "COST_MODELS"]
+__all__ = ["NodeMeasure", "BlockMeasure", "GradSink", "inspect_chain", "COST_MODELS"]
 
 COST_MODELS = ("measured", "flops")
 
@@ -45,15 +46,21 @@ class NodeMeasure:
 
     name: str
     data_bytes: int
+    grad_parts: list[int] = field(default_factory=list)  # one gradient per exported tensor
     phantom_bytes: int = 0
     requires_grad: bool = False
     forward_overhead_bytes: int = 0
+    no_grad_overhead_bytes: int = 0  # the same for a forward without grad (no phantoms kept)
     backward_overhead_bytes: int = 0
     forward_time_s: float = 0.0
     backward_time_s: float = 0.0
     backward_reads: list[str] = field(default_factory=list)  # nodes whose data bwd needs
     backward_shapes: list[str] = field(default_factory=list)  # deps whose shape only bwd needs
     grads_to: list[str] = field(default_factory=list)  # deps that receive a gradient
+    # dep -> the parts of its gradient that the backward contributes to (absent: all)
+    grad_contributions: dict[str, list[int]] = field(default_factory=dict)
+    # dep -> for each part of its gradient, the part of ours that its first contribution is
+    grad_aliases: dict[str, list[int]] = field(default_factory=dict)
     data_deps: list[str] = field(default_factory=list)
     is_random: bool = False
 
@@ -68,6 +75,7 @@ class BlockMeasure:
     input_requires_grad: bool
     outputs: list[str]
     has_input: bool
+    input_grad_parts: list[int] = field(default_factory=list)
 
 
 class _Clock:
@@ -179,6 +187,7 @@ def inspect_chain(
     measures: dict[int, BlockMeasure] = {}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            layouts = gradient_layouts(graph, model, sample)
             env = initial_environment(graph, model, sample)
             with torch.no_grad():
                 for p in model.parameters():
@@ -188,7 +197,7 @@ def inspect_chain(
                 for block in chain.blocks:
                     if block.index in representatives:
                         measures[representatives[block.index]] = _inspect_block(
-                            graph, block, env, model, clock, device, representatives[block.index]
+                            graph, block, env, model, clock, device, representatives[block.index], layouts
                         )
                     remaining = [b for b in chain.blocks[block.index + 1 :] if b.index in representatives]
                     if all(_floating_input(graph, b) for b in remaining):
@@ -197,7 +206,7 @@ def inspect_chain(
                         for later in remaining:
                             _synthesize_input(graph, later, env, device)
                             measures[representatives[later.index]] = _inspect_block(
-                                graph, later, env, model, clock, device, representatives[later.index]
+                                graph, later, env, model, clock, device, representatives[later.index], layouts
                             )
                         break
                     for name in block.nodes:
@@ -242,7 +251,138 @@ def _drop(node: SimplifiedNode, env) -> None:
         env.pop(line.name, None)
 
 
-def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index) -> BlockMeasure:
+class GradSink:
+    """Collects the gradient of a leaf as the executor does (``exec.runtime._GradSink``).
+
+    A pre-hook on the leaf's ``AccumulateGrad`` node: the first contribution is stored as is
+    (a copy only when it is a slice of a bigger storage), the second is added out of place
+    (``old + grad``: a new tensor the sink owns), later ones in place into that tensor; and
+    ``AccumulateGrad`` does nothing. Inspection runs backwards with the same sinks as the
+    executor, so that it sees the same gradients: in the same memory layouts (which decide
+    the temporary memory of the backwards that read them), and sharing storage where the
+    executor's share it (an ``add``'s backward passes its incoming gradient itself to both its
+    inputs).
+    """
+
+    __slots__ = ("leaf", "owned", "node", "calls")
+
+    def __init__(self, leaf: torch.Tensor) -> None:
+        self.leaf = leaf
+        self.owned = False
+        self.calls = 0  # contributions received (for the inspection)
+        grad_fn = leaf.view_as(leaf).grad_fn
+        self.node = grad_fn.next_functions[0][0] if grad_fn is not None else get_gradient_edge(leaf).node
+        self.node.register_prehook(self)
+
+    def __call__(self, grad_outputs):
+        grad = grad_outputs[0]
+        if grad is not None:
+            self.calls += 1
+            old = self.leaf.grad
+            if old is None:
+                if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+                    grad = grad.clone()
+                self.leaf.grad = grad
+                self.owned = False
+            elif self.owned:
+                old.add_(grad)
+            else:
+                self.leaf.grad = old + grad
+                self.owned = True
+        return (None,)
+
+
+class _GradState:
+    """Which parts of gradients the simulator holds and owns (``solvers.simulate``'s rules).
+
+    The temporary memory of a backward is what the run measured above what the simulator
+    adds for the gradients it produces, computed here with the simulator's own rules: a first
+    contribution to a part is new memory unless it is an alias of a part of the incoming
+    gradient; a contribution to a part that the simulator holds but does not own is a new
+    tensor (``old + grad``); one to an owned part is added in place.
+    """
+
+    def __init__(self) -> None:
+        self.alive: set[tuple[str, int]] = set()
+        self.owned: set[tuple[str, int]] = set()
+
+    def produce(self, part: tuple[str, int], size: int, alias: bool) -> int:
+        """Record a contribution to ``part``; return the bytes the simulator adds for it."""
+        if part not in self.alive:
+            self.alive.add(part)
+            return 0 if alias else size
+        if part in self.owned:
+            return 0
+        self.owned.add(part)
+        return size
+
+    def forget(self, node: str) -> None:
+        self.alive = {p for p in self.alive if p[0] != node}
+        self.owned = {p for p in self.owned if p[0] != node}
+
+
+def _output_gradient(leaf: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+    """A gradient for an output of the block, in the layout the executor will give it."""
+    if stride is None:
+        return torch.ones_like(leaf)
+    grad = torch.empty_strided(leaf.shape, stride, dtype=leaf.dtype, device=leaf.device).fill_(1)
+    if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+        grad = grad.clone()  # GradSink's copy of a slice of a bigger gradient
+    return grad
+
+
+def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, tuple[int, ...]]:
+    """The strides of the gradient of every exported tensor in eager PyTorch's backward.
+
+    The executor passes gradients between nodes as eager PyTorch would, in their layouts;
+    a backward's temporary memory depends on the layout of the gradient it receives (a
+    linear's backward copies a gradient that is not in its output's layout). Inside a block
+    the inspection produces real gradients; a block's output gradients come from the next
+    block: their layouts are found here, by one forward and backward of the whole graph on
+    fake tensors (no memory, no computation: the ops' meta functions give the strides). The
+    model's outputs receive ``ones_like`` gradients. An empty dict if the fake run fails.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    record: dict[str, tuple[int, ...]] = {}
+    try:
+        env = initial_environment(graph, model, sample)
+        mode = FakeTensorMode()
+        fake: dict[str, object] = {}
+        for key, value in env.items():
+            if isinstance(value, torch.Tensor):
+                tensor = mode.from_tensor(value)
+                if value.requires_grad and not tensor.requires_grad:
+                    tensor.requires_grad_()
+                fake[key] = tensor
+            else:
+                fake[key] = value
+        del env
+        with mode, torch.enable_grad():
+            run_lines(graph.buffer_updates_prologue, fake)
+            for node in graph.nodes:
+                run_lines(node.lines, fake)
+                for name in graph.exported(node):
+                    value = fake[name]
+                    if isinstance(value, torch.Tensor) and value.requires_grad:
+                        value.register_hook(lambda g, name=name: record.__setitem__(name, tuple(g.stride())))
+            outputs = [fake[n] for n in graph.outputs]
+            outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outputs:
+                torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    except Exception:  # noqa: BLE001 - an op without a meta function: fall back to ones_like
+        return {}
+    return record
+
+
+def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts) -> BlockMeasure:
+    """Run one block node by node exactly as the executor runs it, and measure each node.
+
+    Each node is an autograd island over all its lines; the tensors other nodes read (its
+    *exported* tensors, :meth:`SimplifiedGraph.exported`) become detached leaves whose
+    gradients a :class:`GradSink` collects, and the node's backward is a backward from the
+    island's exported outputs with those gradients (outputs without a gradient are skipped).
+    """
     anonymous = {real: anon for anon, real in block.anonymous_names().items()}
     saved = SavedTensors()
     global_names = graph.global_names()
@@ -251,59 +391,83 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     params = [p for p in model.parameters() if p.requires_grad]
     env = dict(outer_env)
     leaves: dict[str, list[torch.Tensor]] = {}
+    # the leaves that require grad, with their sinks: the parts of the node's gradient
+    grad_leaves: dict[str, list[tuple[torch.Tensor, GradSink]]] = {}
+    grad_names: dict[str, list[str]] = {}
     islands: dict[str, list[torch.Tensor]] = {}
+    state = _GradState()
 
-    def make_leaves(node: SimplifiedNode, values: list[torch.Tensor]) -> None:
-        made = []
-        for output, value in zip(node.outputs, values):
+    def make_leaves(node: SimplifiedNode, names: list[str], values: list[torch.Tensor], is_input: bool) -> None:
+        made, parts, part_names = [], [], []
+        for fx_name, value in zip(names, values):
             leaf = value.detach()
-            if value.requires_grad or (value.dtype.is_floating_point and node.name == block.input_node):
+            if value.requires_grad or (is_input and value.dtype.is_floating_point):
                 leaf.requires_grad_()
-            env[output.fx_name] = leaf
+                parts.append((leaf, GradSink(leaf)))
+                part_names.append(fx_name)
+            env[fx_name] = leaf
             made.append(leaf)
         leaves[node.name] = made
+        grad_leaves[node.name] = parts
+        grad_names[node.name] = part_names
         saved.register_data(node.name, made)
-        with torch.enable_grad():
-            run_lines(_view_lines(node), env)
 
-    input_bytes, input_requires_grad = 0, False
+    def part_sizes(name: str) -> list[int]:
+        return [leaf.numel() * leaf.element_size() for leaf, _ in grad_leaves.get(name, [])]
+
+    input_bytes, input_requires_grad, input_grad_parts = 0, False, []
     if block.input_node is not None:
         input_node = graph.node(block.input_node)
-        make_leaves(input_node, _outputs_of(input_node, outer_env))
+        names = graph.exported(input_node)
+        make_leaves(input_node, names, [outer_env[n] for n in names], True)
         input_bytes = sum(o.size_bytes for o in input_node.outputs)
-        input_requires_grad = any(t.requires_grad for t in leaves[input_node.name])
+        input_requires_grad = bool(grad_leaves[input_node.name])
+        input_grad_parts = part_sizes(input_node.name)
 
     results: list[NodeMeasure] = []
     with _PeakMeter(device) as meter:
         for name in block.nodes:
             node = graph.node(name)
-            forward_lines = node.prelude + [node.main] + [
-                line for line in node.body if line.name in {o.fx_name for o in node.outputs}
-            ]
+            lines = node.lines
+            exported = graph.exported(node)
             result: dict[str, object] = {}
+
+            def forward_no_grad():
+                scratch = dict(env)
+                with torch.no_grad():
+                    run_lines(lines, scratch)
+
+            no_grad_peak = meter.measure(forward_no_grad)
 
             def forward_with_grad():
                 with saved.island(name), torch.enable_grad():
-                    run_lines(forward_lines, env)
-                outputs = _outputs_of(node, env)
-                saved.finish_island(name, outputs)
-                result["outputs"] = outputs
+                    run_lines(lines, env)
+                values = [env[n] for n in exported]
+                saved.finish_island(name, values)
+                result["exported"] = values
+                result["outputs"] = _outputs_of(node, env)
+                for line in lines:  # the executor keeps only the exported tensors (as leaves)
+                    env.pop(line.name, None)
 
             peak = meter.measure(forward_with_grad)
-            outputs = result["outputs"]
-            data_bytes = _storage_bytes(outputs)
+            values = result["exported"]
+            data_bytes = _storage_bytes(result["outputs"])
             phantom_bytes = saved.phantom_bytes(name)
-            requires_grad = any(t.requires_grad for t in outputs)
+            requires_grad = any(t.requires_grad for t in values)
 
-            forward_time = clock(_rerun(forward_lines, env, requires_grad), data_bytes)
-            islands[name] = outputs
-            make_leaves(node, outputs)
+            forward_time = clock(_rerun(lines, env, requires_grad), data_bytes)
+            islands[name] = [t for t in values if t.requires_grad]
+            make_leaves(node, exported, values, False)
+            values = None
+            result.clear()
             measure = NodeMeasure(
                 name=anonymous[name],
                 data_bytes=data_bytes,
+                grad_parts=part_sizes(name) if requires_grad else [],
                 phantom_bytes=phantom_bytes if requires_grad else 0,
                 requires_grad=requires_grad,
                 forward_overhead_bytes=max(0, peak - data_bytes - phantom_bytes),
+                no_grad_overhead_bytes=max(0, no_grad_peak - data_bytes),
                 forward_time_s=forward_time,
                 data_deps=[anonymous[d] for d in node.data_deps],
                 is_random=node.is_random,
@@ -312,36 +476,66 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
 
         # the loss: gradients of the block's outputs
         for name in block.output_nodes:
-            for leaf in leaves[name]:
-                if leaf.requires_grad:
-                    leaf.grad = torch.ones_like(leaf)
+            for i, ((leaf, _), fx_name) in enumerate(zip(grad_leaves.get(name, []), grad_names.get(name, []))):
+                leaf.grad = _output_gradient(leaf, layouts.get(fx_name))
+                state.produce((name, i), 0, False)
 
         for measure, name in reversed(list(zip(results, block.nodes))):
             node = graph.node(name)
             if not measure.requires_grad:
                 continue
-            outputs = [t for t in islands[name] if t.requires_grad]
-            grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves[name] if leaf.requires_grad]
-            dep_leaves = [t for d in node.data_deps for t in leaves.get(d, []) if t.requires_grad]
+            pairs = [(t, leaf.grad) for t, (leaf, _) in zip(islands[name], grad_leaves[name]) if leaf.grad is not None]
+            outputs = [t for t, _ in pairs]
+            grads = [g for _, g in pairs]
+            # the storage of each part of the incoming gradient
+            incoming = {
+                storage_key(leaf.grad): j for j, (leaf, _) in enumerate(grad_leaves[name]) if leaf.grad is not None
+            }
+            targets = [d for d in node.data_deps if grad_leaves.get(d)]
+            dep_leaves = [leaf for d in targets for leaf, _ in grad_leaves[d]]
+            calls = {d: [sink.calls for _, sink in grad_leaves[d]] for d in targets}
             new_grad_bytes = _storage_bytes([t for t in dep_leaves if t.grad is None])
             reads = sorted(saved.references_of(name))
             measure.backward_reads = [anonymous[r] for r in reads if r in anonymous]
             measure.backward_shapes = [anonymous[d] for d in node.data_deps if d not in reads]
-            measure.grads_to = [anonymous[d] for d in node.data_deps if any(t.requires_grad for t in leaves.get(d, []))]
+            measure.grads_to = [anonymous[d] for d in targets]
             inputs = dep_leaves + params
-            measure.backward_time_s = clock(
-                lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True),
-                measure.data_bytes + new_grad_bytes,
-            )
-            peak = meter.measure(lambda: torch.autograd.backward(outputs, grads))
-            measure.backward_overhead_bytes = max(0, peak - new_grad_bytes)
+            if outputs:
+                measure.backward_time_s = clock(
+                    lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True),
+                    measure.data_bytes + new_grad_bytes,
+                )
+                peak = meter.measure(lambda: torch.autograd.backward(outputs, grads))
+            else:
+                peak = 0
+            added = 0
+            for d in targets:
+                sizes = part_sizes(d)
+                contributed, sources = [], []
+                for i, (leaf, sink) in enumerate(grad_leaves[d]):
+                    source = -1
+                    if sink.calls > calls[d][i]:
+                        contributed.append(i)
+                        if (d, i) not in state.alive:
+                            source = incoming.get(storage_key(leaf.grad), -1)
+                        added += state.produce((d, i), sizes[i], source >= 0)
+                    sources.append(source)
+                if len(contributed) < len(sizes):
+                    measure.grad_contributions[anonymous[d]] = contributed
+                if any(j >= 0 for j in sources):
+                    measure.grad_aliases[anonymous[d]] = sources
+            measure.backward_overhead_bytes = max(0, peak - added)
+            outputs = grads = pairs = incoming = None  # release the incoming gradients
             for leaf in leaves[name]:
                 leaf.grad = None
+            state.forget(name)
+            islands[name] = []
             saved.free_phantoms(name)
     return BlockMeasure(
         class_index=class_index,
         nodes=results,
         input_bytes=input_bytes,
+        input_grad_parts=input_grad_parts,
         input_requires_grad=input_requires_grad,
         outputs=[anonymous[n] for n in block.output_nodes],
         has_input=block.input_node is not None,

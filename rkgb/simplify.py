@@ -3,7 +3,10 @@
 Each operation of the functional ATen graph is classified from its schema's alias annotations
 (not from lists of names):
 
-- *view*: a return aliases an argument without writing it (``view``, ``transpose``, ``split``);
+- *view*: a return aliases an argument without writing it (``view``, ``transpose``, ``split``),
+  by its schema, or by the traced values when the schema does not say so (``_unsafe_view``,
+  which ``matmul``'s decomposition uses on its own temporaries, returns a view that autograd
+  does not track as one: the traced result shares its argument's storage);
 - *in-place*: an argument is written (``add_``); the functionalized graph rarely has them;
 - *getitem*: picks one result of a multi-output operation;
 - *shape*: returns no tensor (``sym_size``, arithmetic on sizes);
@@ -64,7 +67,29 @@ def classify(node: torch.fx.Node) -> OpKind:
         return OpKind.INPLACE
     if any(ret.alias_info is not None for ret in schema.returns):
         return OpKind.VIEW
+    if _traced_alias(node) is not None:
+        return OpKind.VIEW
     return OpKind.ALLOCATING
+
+
+def _storage_of(value) -> object | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):  # a tensor without storage
+        return None
+
+
+def _traced_alias(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The argument whose storage the traced (fake) result shares, if any."""
+    result = _storage_of(node.meta.get("val"))
+    if result is None:
+        return None
+    for argument in _input_nodes(node):
+        if _storage_of(argument.meta.get("val")) == result:
+            return argument
+    return None
 
 
 def _aliased_argument(node: torch.fx.Node) -> torch.fx.Node:
@@ -73,6 +98,10 @@ def _aliased_argument(node: torch.fx.Node) -> torch.fx.Node:
     written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     # an in-place op aliases the argument it writes; a view aliases its annotated argument
     candidates = written or [a for a in schema.arguments if a.alias_info is not None]
+    if not candidates:
+        traced = _traced_alias(node)
+        if traced is not None:
+            return traced
     for position, argument in enumerate(schema.arguments):
         if argument is not candidates[0] if candidates else True:
             continue
@@ -172,6 +201,21 @@ class SimplifiedGraph:
         names = set(captured.parameters) | set(captured.buffers) | set(captured.constants)
         names |= {name for name in captured.inputs if name is not None}
         return names | {view.name for view in self.global_views}
+
+    def exported(self, node: SimplifiedNode) -> list[str]:
+        """fx names of the tensors of ``node`` that other nodes or the user read: its result or
+        views of it (not the buffers' new values). The executor keeps these as the node's data
+        (one leaf each) and backpropagates from them; the inspection does the same."""
+        own = {line.name for line in node.lines}
+        outputs = set(self.outputs)
+        exported = []
+        for line in [node.main] + node.body:
+            if line.name in node.buffer_updates:
+                continue
+            if line.name in outputs or any(user.name not in own for user in line.users):
+                if isinstance(line.meta.get("val"), torch.Tensor):
+                    exported.append(line.name)
+        return exported
 
     def users(self) -> dict[str, list[str]]:
         users: dict[str, list[str]] = {node.name: [] for node in self.nodes}

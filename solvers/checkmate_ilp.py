@@ -14,7 +14,8 @@ runs node ``t`` for the first time, after optionally re-running earlier nodes. R
   reads or produces ``d``; a node with several outputs frees each on its own;
 - a forward keeps its phantoms only if ``W[t, k]`` (``with_grad``); a backward consumes them;
 - the memory while operation ``k`` of stage ``t`` runs is what is alive plus ``k``'s
-  temporary memory and every data node it produces; it is bounded by the peak budget;
+  temporary memory (a forward's: with or without grad) and every data node it produces; it
+  is bounded by the peak budget;
 - what is alive when the loss runs is bounded by the save budget (what the block keeps for
   its backward);
 - objective: the time of the recomputations.
@@ -27,7 +28,9 @@ can only appear where the node is not needed, where it overestimates the memory.
 the solution is turned into that schedule and measured by the simulator.
 
 Data produced only by backward nodes and the loss (gradients) have a fixed liveness, as the
-stage of every backward is fixed: they enter the model as constants. Data nodes and
+stage of every backward is fixed: they enter the model as constants, computed by the
+simulator's own rules (:func:`solvers.simulate.gradient_profile`: gradients that share a
+storage, accumulations). Data nodes and
 recomputations that no later stage can use are not created.
 
 The model is built once per graph; the budgets are the bounds of two variables, so a new pair
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 import pulp
 
 from rkgb.cdgraph import CDGraph, ComputeKind, DataKind
-from solvers.simulate import effective_needs, operation_outputs, phantoms_of
+from solvers.simulate import effective_needs, gradient_profile, operation_outputs, phantoms_of
 
 __all__ = ["ILPSolution", "RkCheckmateILP", "make_pulp_solver", "highs_available"]
 
@@ -136,7 +139,6 @@ class RkCheckmateILP:
         loss = stage["loss"]
         self.loss_stage = loss
         forwards = [i for i, c in enumerate(nodes) if c.kind is ComputeKind.FORWARD]
-        inputs = set(graph.input_data)
         keep = set(graph.output_data) if keep_outputs else set()
         protected = set(graph.input_grads) | keep | (set(graph.output_grads) if keep_outputs else set())
 
@@ -168,19 +170,10 @@ class RkCheckmateILP:
         self.last_needed = last_needed
         self.protected = protected
 
-        # constant memory: data made by backwards / the loss, alive at the start of each stage
-        const_alive = [0.0] * (n_stages + 1)
-        for dnode in graph.data_nodes:
-            d = dnode.name
-            if d in producer or d in inputs or dnode.size_bytes == 0:
-                continue
-            made = [i for i, c in enumerate(nodes) if d in c.produces]
-            if not made:
-                continue
-            read = users.get(d, [])
-            end = n_stages if d in protected else max(read, default=-1)
-            for t in range(min(made) + 1, end + 1):
-                const_alive[t] += dnode.size_bytes / self.unit
+        # constant memory: gradients (made by backwards / the loss), alive at the start of each
+        # stage, and what each backward / the loss adds while it runs (aliases, accumulations)
+        grad_start, grad_added = gradient_profile(graph, protected)
+        const_alive = [b / self.unit for b in grad_start]
 
         prob = pulp.LpProblem(f"rk_checkmate_{graph.name}", pulp.LpMinimize)
         self.prob = prob
@@ -304,15 +297,24 @@ class RkCheckmateILP:
                 node = nodes[k]
                 x = run(r)
                 variable_made = []
-                constant_made = 0.0
                 for d in outputs_of[k]:
                     if d in producer:
                         made = with_grad.get(k) if graph.data(d).kind is DataKind.PHANTOMS else x
                         if made is not None:
                             variable_made.append(size[d] * made)
-                    else:
-                        constant_made += size[d]
-                during = before + (node.overhead_bytes / self.unit + constant_made) * x + pulp.lpSum(variable_made)
+                if node.kind is ComputeKind.FORWARD:
+                    # without grad unless W says so (and phantoms are kept); the clip keeps a
+                    # fractional W from lowering the memory (exact unless a no-grad run needs
+                    # more than a run with grad and its phantoms, where it over-estimates)
+                    overhead = node.overhead(False) / self.unit * x
+                    w = with_grad.get(k)
+                    if w is not None:
+                        phantoms = phantoms_of(graph, node)
+                        extra = max(node.overhead(True) - node.overhead(False), -graph.size(phantoms))
+                        overhead = overhead + extra / self.unit * w
+                else:
+                    overhead = (node.overhead_bytes + grad_added[k]) / self.unit * x
+                during = before + overhead + pulp.lpSum(variable_made)
                 prob += during + const_alive[t] <= self.peak_var
                 n_rows += 2
                 if i + 1 < len(slots):

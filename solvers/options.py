@@ -122,7 +122,7 @@ def option_from_schedule(
         backward_peak_bytes=result.backward_peak_bytes,
         forward_time_s=result.forward_time_s,
         backward_time_s=result.backward_time_s,
-        end_bytes=sum(graph.size(d) for d in result.alive_at_end if d not in graph.input_data),
+        end_bytes=result.memory_at_end,
         source=source,
     )
 

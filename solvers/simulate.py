@@ -5,11 +5,20 @@ replays it here, and reports the peak and time measured here (as Checkmate does 
 ``Scheduler``; Jain et al., "Checkmate: Breaking the Memory Wall with Optimal Tensor
 Rematerialization", MLSys 2020). The memory model is the one of ``rkgb.cdgraph``:
 
-- the memory is the sum of the sizes of the alive data nodes, except ``graph.input_data``
-  (owned by whoever runs before: the user for a model, the previous block for a block);
-- while a compute node runs, the memory also holds its ``overhead_bytes`` and every data node
-  it produces, counted in full even when that node is already alive (a recomputation or a
-  gradient accumulation holds the old and the new copy until the operation ends);
+- the memory is the sum of the sizes of the storages of the alive data nodes, except
+  ``graph.input_data`` (owned by whoever runs before: the user for a model, the previous block
+  for a block). A data node has its own storage, but for a gradient whose first contribution
+  is an alias (``ComputeNode.aliases``): it shares the storage of the gradient it aliases,
+  which is counted once and freed when the last of them is forgotten;
+- while a compute node runs, the memory also holds its temporary memory
+  (``ComputeNode.overhead(with_grad)``) and the new memory of what it produces: every data
+  node a forward produces, counted in full even when that node is already alive (a
+  recomputation holds the old and the new copy until the operation ends); for each gradient
+  a backward (or the loss) produces, as the executor accumulates it (autograd's
+  ``InputBuffer``): a first contribution is new memory unless it is an alias; a second one is
+  a new tensor (``old + grad``) that the gradient then owns, the old one being released when
+  the operation ends; later ones are added in place (nothing new). Contributions themselves,
+  when they are not kept, are part of the temporary memory;
 - ``Compute(fwd_x, with_grad=False)`` produces no phantoms;
 - ``bwd_x`` needs, besides its ``needs``, ``x.grad`` and ``x.phantoms`` (when those nodes
   exist), and consumes the phantoms: they cannot serve another backward;
@@ -30,6 +39,7 @@ from solvers.schedule import Compute, Forget, Operation, Schedule
 
 __all__ = [
     "InvalidSchedule",
+    "gradient_profile",
     "SimulationResult",
     "simulate",
     "effective_needs",
@@ -63,7 +73,84 @@ class SimulationResult:
     forward_time_s: float = 0.0
     backward_time_s: float = 0.0
     peak_index: int = -1
+    memory_at_end: int = 0
     notes: list[str] = field(default_factory=list)
+
+
+class _Storages:
+    """Which storage each part of each alive data node holds, and the bytes of those held.
+
+    A data node is one tensor (one part), or several for a gradient (``DataNode.parts``); each
+    part holds a storage, its own or one it shares (an alias). ``memory`` is the bytes of the
+    storages held, each counted once.
+    """
+
+    def __init__(self, graph: CDGraph, uncounted: set[str]) -> None:
+        self.graph = graph
+        self.uncounted = uncounted  # data nodes whose storages are not counted (inputs)
+        self.storage: dict[str, list[int | None]] = {}  # alive node -> storage of each part
+        self.holders: dict[int, int] = {}
+        self.bytes: dict[int, int] = {}
+        self.owned: set[tuple[str, int]] = set()  # parts holding a sum made by accumulation
+        self.memory = 0
+        self._next = 0
+
+    def _hold(self, d: str, part: int, storage: int) -> None:
+        parts = self.storage.setdefault(d, [None] * len(self.graph.data(d).part_sizes))
+        old = parts[part]
+        parts[part] = storage
+        self.holders[storage] += 1
+        if self.holders[storage] == 1:
+            self.memory += self.bytes[storage]
+        if old is not None:
+            self._release(old)
+
+    def _hold_new(self, d: str, part: int) -> int:
+        """``part`` of ``d`` holds a new storage; return its bytes."""
+        self._next += 1
+        size = 0 if d in self.uncounted else self.graph.data(d).part_sizes[part]
+        self.bytes[self._next] = size
+        self.holders[self._next] = 0
+        self._hold(d, part, self._next)
+        return size
+
+    def _release(self, storage: int) -> None:
+        self.holders[storage] -= 1
+        if self.holders[storage] == 0:
+            self.memory -= self.bytes.pop(storage)
+            del self.holders[storage]
+
+    def add(self, d: str) -> int:
+        """``d`` becomes alive with new storages (replacing its old ones); return their bytes."""
+        return sum(self._hold_new(d, i) for i in range(len(self.graph.data(d).part_sizes)))
+
+    def forget(self, d: str) -> None:
+        for i, storage in enumerate(self.storage.pop(d)):
+            if storage is not None:
+                self._release(storage)
+            self.owned.discard((d, i))
+
+    def compute(self, node: ComputeNode, outputs: list[str]) -> int:
+        """Apply ``node``'s productions; return the new bytes it holds while it runs."""
+        if node.kind is ComputeKind.FORWARD:
+            return sum(self.add(d) for d in outputs)
+        added = 0
+        own = self.storage.get(data_name(node.target, DataKind.GRAD))
+        for d in outputs:
+            count = len(self.graph.data(d).part_sizes)
+            parts = self.storage.setdefault(d, [None] * count)
+            sources = node.aliases.get(d, ())
+            for i in node.contributes.get(d, range(count)):
+                if parts[i] is None:
+                    j = sources[i] if i < len(sources) else -1
+                    if j >= 0 and own is not None and own[j] is not None:
+                        self._hold(d, i, own[j])
+                    else:
+                        added += self._hold_new(d, i)
+                elif (d, i) not in self.owned:
+                    added += self._hold_new(d, i)
+                    self.owned.add((d, i))
+        return added
 
 
 def phantoms_of(graph: CDGraph, node: ComputeNode) -> str | None:
@@ -135,7 +222,10 @@ def simulate(
     consumed: set[str] = set()
     forgotten_grads: set[str] = set()
     ran_once: set[str] = set()
-    memory = sum(graph.size(d) for d in alive if d not in inputs)
+    storages = _Storages(graph, inputs)
+    for d in sorted(alive):
+        storages.add(d)
+    memory = storages.memory
     peak = memory
     peak_index = -1
     time_s = 0.0
@@ -165,7 +255,8 @@ def simulate(
             consumed.discard(op.node)
             if graph.data(op.node).kind is DataKind.GRAD:
                 forgotten_grads.add(op.node)
-            memory -= graph.size(op.node)
+            storages.forget(op.node)
+            memory = storages.memory
             memory_during.append(memory)
             continue
         if not isinstance(op, Compute):
@@ -203,7 +294,8 @@ def simulate(
                     f"{where(i, op)}: accumulates into gradient {d!r}, which was forgotten "
                     "after an earlier contribution (that contribution would be lost)"
                 )
-        during = memory + node.overhead_bytes + sum(graph.size(d) for d in outputs)
+        added = storages.compute(node, outputs)
+        during = memory + node.overhead(op.with_grad or node.kind is not ComputeKind.FORWARD) + added
         memory_during.append(during)
         if during > peak:
             peak, peak_index = during, i
@@ -219,9 +311,8 @@ def simulate(
         time_s += node.time_s
         for d in outputs:
             consumed.discard(d)
-            if d not in alive:
-                alive.add(d)
-                memory += graph.size(d)
+            alive.add(d)
+        memory = storages.memory
         if node.kind is ComputeKind.BACKWARD:
             phantoms = phantoms_of(graph, node)
             if phantoms is not None:
@@ -238,7 +329,44 @@ def simulate(
         forward_time_s=forward_time,
         backward_time_s=backward_time,
         peak_index=peak_index,
+        memory_at_end=memory,
     )
+
+
+def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], list[int]]:
+    """The memory of the gradients along the graph's own order of compute nodes.
+
+    Gradients are made by the loss and the backwards only, each of which runs once, in the
+    graph's order (every schedule of a solver keeps that order and only adds forwards): their
+    memory does not depend on the schedule. With the forgetting of
+    :func:`schedule_from_computes` (after the last use; never ``protected`` nodes) and the
+    simulator's rules (aliases, accumulation), returns ``start[t]``, the bytes of gradient
+    storages alive when compute node ``t`` starts (``start[len(nodes)]``: at the end), and
+    ``added[t]``, the new bytes that compute node ``t`` holds while it runs.
+    """
+    nodes = graph.compute_nodes
+    made_by_forward = {d for c in nodes if c.kind is ComputeKind.FORWARD for d in operation_outputs(graph, c, True)}
+    grads = {d.name for d in graph.data_nodes if d.name not in made_by_forward and d.name not in graph.input_data}
+    last_event: dict[str, int] = {}
+    for i, c in enumerate(nodes):
+        if c.kind is not ComputeKind.FORWARD:
+            for d in effective_needs(graph, c) + operation_outputs(graph, c, True):
+                if d in grads:
+                    last_event[d] = i
+    storages = _Storages(graph, set(graph.input_data))
+    start = [0] * (len(nodes) + 1)
+    added = [0] * len(nodes)
+    for i, c in enumerate(nodes):
+        start[i] = storages.memory
+        if c.kind is ComputeKind.FORWARD:
+            continue
+        outputs = [d for d in operation_outputs(graph, c, True) if d in grads]
+        added[i] = storages.compute(c, outputs)
+        for d in dict.fromkeys(effective_needs(graph, c) + outputs):
+            if d in storages.storage and d in grads and d not in protected and last_event.get(d) == i:
+                storages.forget(d)
+    start[len(nodes)] = storages.memory
+    return start, added
 
 
 def schedule_from_computes(

@@ -30,6 +30,8 @@ __all__ = [
     "multi_output_graph",
     "random_graph",
     "attention_like_graph",
+    "residual_graph",
+    "split_graph",
     "chain_of",
     "random_chain",
 ]
@@ -44,7 +46,11 @@ class NodeSpec:
     ``inputs`` are real edges (the forward reads their data), ``shape_inputs`` fake edges;
     ``backward_reads`` the data its backward reads (among ``inputs`` and itself);
     ``extra_outputs`` more data nodes produced by the same forward (several outputs), each of
-    ``size_bytes``.
+    ``size_bytes``. ``grad_parts``: the sizes of the tensors of its gradient (a split's). Of its
+    backward: ``grad_contributes[i]`` the parts of input ``i``'s gradient it contributes to
+    (default all), ``grad_aliases[i]`` for each part of input ``i``'s gradient the part of its
+    own gradient that its first contribution is (``-1``: a new tensor; an ``add`` passes its
+    gradient on). ``no_grad_overhead_bytes``: the forward's temporary memory without grad.
     """
 
     name: str
@@ -58,6 +64,10 @@ class NodeSpec:
     backward_reads: list[str] = field(default_factory=list)
     shape_inputs: list[str] = field(default_factory=list)
     extra_outputs: list[str] = field(default_factory=list)
+    grad_parts: tuple[int, ...] = ()
+    grad_contributes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    grad_aliases: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    no_grad_overhead_bytes: int | None = None
 
 
 def graph_from_specs(
@@ -89,7 +99,7 @@ def graph_from_specs(
             owner[t] = spec.name
             sizes[t] = spec.size_bytes
             data.append(DataNode(data_name(t, DataKind.DATA), DataKind.DATA, t, spec.size_bytes))
-            data.append(DataNode(data_name(t, DataKind.GRAD), DataKind.GRAD, t, spec.size_bytes))
+            data.append(DataNode(data_name(t, DataKind.GRAD), DataKind.GRAD, t, spec.size_bytes, spec.grad_parts))
         data.append(
             DataNode(data_name(spec.name, DataKind.PHANTOMS), DataKind.PHANTOMS, spec.name, spec.phantoms_bytes)
         )
@@ -104,6 +114,7 @@ def graph_from_specs(
                 needs_shape=[data_name(i, DataKind.DATA) for i in spec.shape_inputs],
                 produces=[data_name(t, DataKind.DATA) for t in targets]
                 + [data_name(spec.name, DataKind.PHANTOMS)],
+                no_grad_overhead_bytes=spec.no_grad_overhead_bytes,
             )
         )
         grads = [
@@ -122,6 +133,8 @@ def graph_from_specs(
                 + [data_name(spec.name, DataKind.PHANTOMS)]
                 + [data_name(r, DataKind.DATA) for r in spec.backward_reads],
                 produces=list(dict.fromkeys(grads)),
+                contributes={data_name(i, DataKind.GRAD): v for i, v in spec.grad_contributes.items()},
+                aliases={data_name(i, DataKind.GRAD): v for i, v in spec.grad_aliases.items()},
             )
         )
     out = specs[-1].name
@@ -179,6 +192,34 @@ def multi_output_graph(**kwargs) -> CDGraph:
         NodeSpec("o", ["s", "t"], 6, 0, 1.0, 2.0, backward_reads=["s", "t"], forward_overhead_bytes=4),
     ]
     return graph_from_specs(specs, 6, name="multi_output", **kwargs)
+
+
+def residual_graph(**kwargs) -> CDGraph:
+    """``in -> a``, ``r = in + a`` (its backward passes ``r.grad`` itself to both), ``o``.
+
+    ``in.grad`` is first ``r.grad`` itself, then ``a``'s backward adds to it out of place.
+    """
+    specs = [
+        NodeSpec("a", [INPUT], 6, 2, 1.0, 2.0, backward_reads=[INPUT], forward_overhead_bytes=1,
+                 no_grad_overhead_bytes=3),
+        NodeSpec("r", [INPUT, "a"], 6, 0, 1.0, 1.0, grad_aliases={INPUT: (0,), "a": (0,)}),
+        NodeSpec("o", ["r"], 6, 3, 2.0, 2.0, backward_reads=["r"], backward_overhead_bytes=2),
+    ]
+    return graph_from_specs(specs, 6, name="residual", **kwargs)
+
+
+def split_graph(**kwargs) -> CDGraph:
+    """``s`` is split in two tensors (a gradient in two parts): ``t`` reads the first and
+    contributes to its part of ``s.grad`` only; ``o = s[1] + t`` passes its gradient on to
+    ``t`` and to the second part of ``s.grad``."""
+    specs = [
+        NodeSpec("s", [INPUT], 8, 2, 1.0, 1.0, forward_overhead_bytes=1, no_grad_overhead_bytes=2,
+                 grad_parts=(4, 4)),
+        NodeSpec("t", ["s"], 4, 3, 2.0, 2.0, backward_reads=["s"], grad_contributes={"s": (0,)}),
+        NodeSpec("o", ["s", "t"], 4, 0, 1.0, 1.0, grad_contributes={"s": (1,)},
+                 grad_aliases={"s": (-1, 0), "t": (0,)}),
+    ]
+    return graph_from_specs(specs, 8, name="split", **kwargs)
 
 
 def random_graph(rng: random.Random, n: int, *, name: str = "random", **kwargs) -> CDGraph:

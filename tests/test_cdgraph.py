@@ -70,3 +70,22 @@ def test_render_draws_blocks_and_cdgraphs(gpt_graphs, tmp_path):
     assert source.count("subgraph cluster_") == len(gpt_graphs.chain.blocks)
     path = cdgraph_dot(gpt_graphs.model_chain.classes[3]).render(tmp_path / "c3", format="svg")
     assert (tmp_path / "c3.svg").exists() and path.endswith(".svg")
+
+
+def test_gpt_gradients_share_storage_and_come_in_parts(gpt_graphs):
+    """The residual adds pass their gradient on (aliases); q, k, v are three parts of one
+    gradient, which the two attention matmuls fill in separately."""
+    whole = gpt_graphs.model_chain.whole_graph()
+    adds = [c for c in whole.backward_nodes() if c.aliases]
+    assert len(adds) >= 6
+    split = [d for d in whole.data_nodes if d.kind is DataKind.GRAD and len(d.part_sizes) == 3]
+    assert len(split) == 3  # one per layer
+    partial = [c for c in whole.backward_nodes() if any(g in c.contributes for g in (d.name for d in split))]
+    assert len(partial) == 2 * 3
+
+
+def test_validate_rejects_an_input_gradient_that_is_only_an_alias():
+    from solvers.toy_graphs import INPUT, NodeSpec, graph_from_specs
+
+    with pytest.raises(CDGraphError, match="only an alias"):
+        graph_from_specs([NodeSpec("r", [INPUT], 6, grad_aliases={INPUT: (0,)})], 6)

@@ -9,7 +9,7 @@ from solvers.options import ClassOptions, autograd_option, no_grad_forward, opti
 from solvers.registry import ChainPlanner, RotorSolver, no_recompute_schedule
 from solvers.rotor_dp import ChainAction, solve_chain, strategy_peak, strategy_time
 from solvers.simulate import simulate
-from solvers.toy_graphs import chain_of, linear_graph, random_chain
+from solvers.toy_graphs import chain_of, linear_graph, random_chain, residual_graph
 
 
 class TwoOptions(ChainPlanner):
@@ -80,6 +80,22 @@ def test_dp_equals_exhaustive_search(seed):
         assert strategy is not None, budget
         assert strategy.time_s == pytest.approx(expected), budget
         assert strategy.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3])
+def test_dp_equals_exhaustive_search_with_shared_gradients(blocks):
+    """Residual blocks: an add passes one gradient to both inputs (one storage, several data
+    nodes); the chain figures still add up to the whole graph's simulation."""
+    chain = chain_of([residual_graph()], [0] * blocks)
+    planner = TwoOptions(name="two")
+    costs, _ = planner.chain_costs(chain)
+    top = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
+    for budget in range(top // 3, top + 2, max(1, top // 15)):
+        expected = exhaustive(planner, chain, budget)
+        strategy = solve_chain(costs, budget, slots=10**6)
+        assert (strategy is None) == (expected is None), budget
+        if strategy is not None:
+            assert strategy.time_s == pytest.approx(expected), budget
 
 
 def rotor_reference(costs, budget):

@@ -17,7 +17,14 @@ from solvers.simulate import (
     schedule_from_computes,
     simulate,
 )
-from solvers.toy_graphs import diamond_graph, linear_graph, multi_output_graph, random_graph
+from solvers.toy_graphs import (
+    diamond_graph,
+    linear_graph,
+    multi_output_graph,
+    random_graph,
+    residual_graph,
+    split_graph,
+)
 
 
 def serves_its_stage(graph, stage):
@@ -65,6 +72,9 @@ GRAPHS = {
     "random0": lambda: random_graph(random.Random(0), 3),
     "random1": lambda: random_graph(random.Random(1), 3),
     "random3": lambda: random_graph(random.Random(3), 3),
+    # gradients sharing storage (an add's backward), gradients in parts, no-grad overheads
+    "residual": residual_graph,
+    "split": split_graph,
 }
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from solvers.schedule import Compute, Forget, Schedule
 from solvers.simulate import InvalidSchedule, schedule_from_computes, simulate
-from solvers.toy_graphs import linear_graph, multi_output_graph
+from solvers.toy_graphs import linear_graph, multi_output_graph, residual_graph, split_graph
 
 
 def autograd_ops():
@@ -99,3 +99,38 @@ def test_lost_gradient_contribution_is_rejected():
     ]
     with pytest.raises(InvalidSchedule, match="accumulates into gradient 'in.grad'"):
         simulate(g, ops, keep_outputs=False)
+
+
+def _autograd_memory(graph):
+    schedule = schedule_from_computes(graph, [c.name for c in graph.compute_nodes], protected=set(graph.input_grads))
+    result = simulate(graph, schedule, keep_outputs=False)
+    return {str(op): m for op, m in zip(schedule.ops, result.memory_during)}, result
+
+
+def test_an_add_passes_one_gradient_to_both_inputs():
+    # r = in + a: bwd_r's contributions to in.grad and a.grad are r.grad itself (6 bytes once)
+    memory, result = _autograd_memory(residual_graph())
+    alive_before = 8  # a.phantoms 2 + r.grad 6
+    assert memory[str(Compute("bwd_r"))] == alive_before
+    assert memory[str(Forget("r.grad"))] == alive_before  # in.grad and a.grad still hold it
+    # bwd_a adds to in.grad out of place: a new 6-byte tensor while the shared one lives on
+    assert memory[str(Compute("bwd_a"))] == alive_before + 6
+    assert memory[str(Forget("a.grad"))] == 2 + 6  # the shared tensor is gone with its last holder
+    assert result.memory_at_end == 6 and result.peak_bytes == 25
+
+
+def test_gradient_parts_and_partial_contributions():
+    # s.grad is two tensors of 4: bwd_o's first contribution to part 1 is o.grad itself,
+    # bwd_t's to part 0 is new
+    memory, result = _autograd_memory(split_graph())
+    assert memory[str(Compute("bwd_o"))] == 17  # s 8 + s.phantoms 2 + t.phantoms 3 + o.grad 4
+    assert memory[str(Compute("bwd_t"))] == 21  # + part 0 of s.grad
+    assert memory[str(Forget("t.grad"))] == 21  # part 1 of s.grad still holds o.grad's tensor
+    assert result.peak_bytes == 21 and result.memory_at_end == 8
+
+
+def test_forward_without_grad_has_its_own_temporary_memory():
+    g = residual_graph()
+    with_grad = simulate(g, [Compute("fwd_a")], keep_outputs=False).memory_during[0]
+    without = simulate(g, [Compute("fwd_a", False)], keep_outputs=False).memory_during[0]
+    assert (with_grad, without) == (6 + 2 + 1, 6 + 3)
