@@ -44,17 +44,17 @@ _loss = _DotLoss()
 
 
 def _step(module, sample, track: bool):
-    """One forward + backward; (seconds, peak bytes or None)."""
+    """One forward + backward; (wall seconds, peak bytes or None, CPU seconds)."""
     for p in module.parameters():
         if p.grad is not None:
             p.grad.zero_()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if track:
         with AllocationTracker() as tracker:
             _loss(module(*sample)).backward()
-        return time.perf_counter() - start, tracker.peak_bytes
+        return time.perf_counter() - start, tracker.peak_bytes, time.process_time() - cpu
     _loss(module(*sample)).backward()
-    return time.perf_counter() - start, None
+    return time.perf_counter() - start, None, time.process_time() - cpu
 
 
 def main() -> None:
@@ -70,26 +70,30 @@ def main() -> None:
     for p in list(model.parameters()) + list(eager.parameters()):
         p.grad = torch.zeros_like(p)
     _step(eager, sample, False)
-    _, eager_peak = _step(eager, sample, True)
+    eager_peak = _step(eager, sample, True)[1]
     config = ZOO["gpt"].config(args.preset)
     print(f"GPT-like '{args.preset}': {config}; eager activation peak {format_bytes(eager_peak)}; 1 thread")
+    print("times: medians of interleaved steps; 'cpu' is the process's CPU time (robust when the "
+          "machine is shared), 'ratio' wall / eager wall")
     print(f"{'budget':>12} {'pred peak':>11} {'meas peak':>11} {'pred ms':>8} {'meas ms':>8} "
-          f"{'eager ms':>8} {'ratio':>6} {'plan s':>7}")
+          f"{'eager ms':>8} {'ratio':>6} {'cpu ms':>7} {'eager cpu':>9} {'cpu ratio':>9} {'plan s':>7}")
     for fraction in args.fractions:
         budget = int(eager_peak * fraction)
         start = time.perf_counter()
         compiled = Rockmate(model, sample, budget, solver=args.solver)
         plan_s = time.perf_counter() - start
         _step(compiled, sample, False)
-        _, measured_peak = _step(compiled, sample, True)
-        eager_times, rock_times = [], []
+        measured_peak = _step(compiled, sample, True)[1]
+        eager_runs, rock_runs = [], []
         for _ in range(args.steps):
-            eager_times.append(_step(eager, sample, False)[0])
-            rock_times.append(_step(compiled, sample, False)[0])
-        e, r = statistics.median(eager_times), statistics.median(rock_times)
+            eager_runs.append(_step(eager, sample, False))
+            rock_runs.append(_step(compiled, sample, False))
+        e, r = statistics.median(x[0] for x in eager_runs), statistics.median(x[0] for x in rock_runs)
+        ec, rc = statistics.median(x[2] for x in eager_runs), statistics.median(x[2] for x in rock_runs)
         print(f"{format_bytes(budget):>12} {format_bytes(compiled.plan.predicted_peak):>11} "
               f"{format_bytes(measured_peak):>11} {compiled.plan.predicted_time * 1e3:>8.1f} {r * 1e3:>8.1f} "
-              f"{e * 1e3:>8.1f} {r / e:>6.3f} {plan_s:>7.1f}", flush=True)
+              f"{e * 1e3:>8.1f} {r / e:>6.3f} {rc * 1e3:>7.1f} {ec * 1e3:>9.1f} {rc / ec:>9.3f} {plan_s:>7.1f}",
+              flush=True)
 
 
 if __name__ == "__main__":
