@@ -182,3 +182,37 @@ def test_gradient_accumulation_is_exact(name):
             loss(module(*sample)).backward()
     for (path, a), b in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), path
+
+
+def test_transformers_gpt2_is_exact_and_under_budget():
+    """transformers' GPT-2 (random init from a config, eager attention) at 50% of eager's peak:
+    outputs and gradients bitwise equal over 3 steps, measured peak equal to the plan's."""
+    transformers = pytest.importorskip("transformers")
+
+    class LogitsOf(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=64,
+                                     attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LogitsOf(transformers.GPT2LMHeadModel(config)).train()
+    sample = (torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)),)
+    reference = copy.deepcopy(model)
+    for p in list(model.parameters()) + list(reference.parameters()):
+        p.grad = torch.zeros_like(p)
+    with torch.no_grad():
+        loss = DotLoss(copy.deepcopy(model)(*sample))
+    budget = int(0.5 * _eager_peak(model, sample, loss))
+    compiled = Rockmate(model, sample, budget, cost_model="flops")
+    expected = _train(reference, list(reference.parameters()), sample, STEPS, 1, loss)
+    got = _train(compiled, list(model.parameters()), sample, STEPS, 1, loss)
+    loss_bytes = 8
+    for (out_e, grad_e, _), (out_g, grad_g, peak_g) in zip(expected, got):
+        assert all(torch.equal(a, b) for a, b in zip(out_e, out_g))
+        assert all(torch.equal(a, b) for a, b in zip(grad_e, grad_g))
+        assert 0.95 * compiled.plan.predicted_peak <= peak_g <= compiled.plan.predicted_peak + loss_bytes <= budget + loss_bytes
