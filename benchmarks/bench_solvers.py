@@ -1,6 +1,6 @@
 """Benchmarks of the solvers (not timed tests): the DP, the option grid, plan quality.
 
-Run ``python benchmarks/bench_solvers.py [--quick]``. Every function takes plain data (a
+Run ``python benchmarks/bench_solvers.py [--quick | --grids-only]``. Every function takes plain data (a
 ModelChain or ChainCosts), so the real GPT chains from rkgb can be plugged in:
 ``bench_option_grid(chain)``, ``bench_quality(layers)`` (the real GPT chains of rkgb,
 flops cost model), ``bench_attention_grids()``.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -69,20 +70,37 @@ def bench_dp(repeat: int = 3) -> None:
               f"(feasible: {strategy is not None})")
 
 
+def _cpu() -> tuple[float, float]:
+    """CPU seconds of this process and of its finished children (the CBC processes)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time(), children.ru_utime + children.ru_stime
+
+
 def bench_option_grid(chain: ModelChain, peak_steps: int = 10, save_steps: int = 10,
                       ilp_solver: str = "cbc", time_limit_s: float = 2.0, **settings) -> None:
-    """Solve time of each class's option grid, per phase (settings: RockmateSolver's defaults)."""
-    defaults = dict(forward_recompute=False, lazy_recompute=True, gap=0.01)
+    """Solve time of each class's option grid, per phase (settings: RockmateSolver's defaults).
+
+    Wall-clock seconds, and CPU seconds of Python and of the solver processes (CBC runs as a
+    subprocess; HiGHS in this process): on a shared machine the CPU seconds are the steadier
+    figure. No option cache is involved.
+    """
+    defaults = dict(forward_recompute=False, lazy_recompute=True, gap=0.01, workers=2)
     defaults.update(settings)
     for index, graph in enumerate(chain.classes):
         report = GridReport()
+        wall = time.perf_counter()
+        own, children = _cpu()
         options = solve_class_options(graph, peak_steps=peak_steps, save_steps=save_steps,
                                       ilp_solver=ilp_solver, time_limit_s=time_limit_s, report=report,
                                       **defaults)
-        print(f"class {index} ({graph.name}, {len(graph.compute_nodes)} C-nodes, {ilp_solver}): "
-              f"{report.total_s:.2f} s total = build {report.build_s:.2f} + bounds {report.bounds_s:.2f} "
-              f"+ grid {report.grid_s:.2f}; {report.pairs} pairs: {report.solved} solved, "
-              f"{report.reused} reused, {report.pruned_infeasible} pruned; "
+        wall = time.perf_counter() - wall
+        own_end, children_end = _cpu()
+        print(f"class {index} ({graph.name}, {len(graph.compute_nodes)} C-nodes, {ilp_solver}, "
+              f"{defaults['workers']} workers): {wall:.2f} s wall, CPU {own_end - own:.2f} s Python + "
+              f"{children_end - children:.2f} s solver processes; build {report.build_s:.2f} + bounds "
+              f"{report.bounds_s:.2f} + grid {report.grid_s:.2f} (repairs {report.repair_s:.2f} s CPU); "
+              f"{report.pairs} pairs: {report.solved} solved, {report.reused} reused, "
+              f"{report.pruned_infeasible} pruned; {report.repaired} repaired starts; "
               f"{report.time_limit_hits} time limits; {len(options.options)} options")
 
 
@@ -158,7 +176,7 @@ def bench_quality(layers_list=(2, 3, 4), fractions=(0.5, 0.6, 0.7, 0.8, 0.9),
                   f"{a.solve_time_s:9.2f} | {c.solve_time_s:9.1f}")
 
 
-def bench_attention_grids(solvers=("cbc", "highs")) -> None:
+def bench_attention_grids(solvers=("cbc", "highs"), **settings) -> None:
     """The option grid (10 x 10) of the attention class, tiny GPT (2 layers) and bench GPT."""
     for label, chain in (("tiny GPT", real_gpt_chain(2)), ("bench GPT", real_gpt_chain(preset="bench"))):
         index = attention_class(chain)
@@ -166,7 +184,7 @@ def bench_attention_grids(solvers=("cbc", "highs")) -> None:
             if solver == "highs" and not highs_available():
                 continue
             print(f"{label}, attention class:", end=" ")
-            bench_option_grid(ModelChain_of(chain, index), ilp_solver=solver)
+            bench_option_grid(ModelChain_of(chain, index), ilp_solver=solver, **settings)
 
 
 def ModelChain_of(chain: ModelChain, index: int):
@@ -181,13 +199,21 @@ def ModelChain_of(chain: ModelChain, index: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="skip the quality table")
+    parser.add_argument("--grids-only", action="store_true",
+                        help="only the attention-class option grids (no DP, no quality table)")
+    parser.add_argument("--grid-solvers", default="cbc,highs",
+                        help="ILP solvers of the option grids (comma-separated; highs when installed)")
+    parser.add_argument("--workers", type=int, default=2, help="ILPs of a grid solved at the same time")
+    parser.add_argument("--no-repair", action="store_true", help="grids without repaired MIP starts")
     parser.add_argument("--ilp-solver", default="cbc", choices=["cbc", "highs"])
     parser.add_argument("--layers", default="2,3,4", help="GPT layers of the quality table")
     parser.add_argument("--checkmate-time-limit", type=float, default=30.0)
     args = parser.parse_args()
-    bench_dp()
-    bench_attention_grids()
-    if not args.quick:
+    grid_settings = {"workers": args.workers, "repair": not args.no_repair}
+    if not args.grids_only:
+        bench_dp()
+    bench_attention_grids(tuple(args.grid_solvers.split(",")), **grid_settings)
+    if not (args.quick or args.grids_only):
         bench_quality(tuple(int(x) for x in args.layers.split(",")), ilp_solver=args.ilp_solver,
                       checkmate_time_limit_s=args.checkmate_time_limit)
 

@@ -2,37 +2,68 @@
 
 Rockmate (Zhao et al., ICML 2023, section 4.1) solves each distinct block for a grid of peak
 budgets and save budgets, between the block's minimum and what it needs without any
-recomputation. The published implementation solves every pair; here most pairs are answered
-without a solve:
+recomputation. The published implementation solves every pair from scratch; here:
 
 1. the bounds of the grid come from three solves: the autograd schedule (no recomputation,
    the top corner), the smallest peak, the smallest saved memory;
-2. pairs are visited from the loosest to the tightest. The optimal time of a looser pair is a
-   lower bound for a tighter one, and every solution found so far whose measured (peak, saved)
-   fits the pair is feasible for it: when the best of those is no slower than the bound, the
-   pair is answered without solving (this covers "the solution of a looser pair still fits");
-   otherwise it is the MIP start of the solve (CBC). A pair tighter than an infeasible one is
-   infeasible;
-3. pairs with a save budget above the peak budget are the same as save = peak;
-4. each ILP has a time limit and keeps its best feasible solution;
-5. equal solutions are merged and dominated ones dropped (:func:`pareto_front`).
+2. pairs are visited by levels, from the loosest to the tightest: a pair's level is one more
+   than the highest level of the pairs looser than it, so the pairs of a level are pairwise
+   incomparable and are decided, then solved together (``workers`` solver processes at a
+   time), from what the earlier levels found;
+3. the optimal time of a looser pair is a lower bound for a tighter one, and every solution
+   found so far whose measured (peak, saved) fits the pair is feasible for it: when the best of
+   those is no slower than the bound, the pair is answered without solving (this covers "the
+   solution of a looser pair still fits"). A pair tighter than an infeasible one is infeasible;
+4. otherwise the solutions of the two nearest looser pairs are repaired by
+   :class:`solvers.option_repair.ScheduleRepair` until they fit; the best repaired solution
+   may already meet the lower bound (no solve), else it is the solve's MIP start. A start near
+   the optimum cuts CBC's time by a third (no feasibility pump, an early cutoff);
+5. pairs with a save budget above the peak budget are the same as save = peak;
+6. each ILP has a time limit and keeps its best feasible solution;
+7. equal solutions are merged and dominated ones dropped (:func:`pareto_front`).
+
+Measured on the GPT attention classes (2-core CPU, 10 x 10 grid, 1% gap, CBC): the model
+building and the bounds take under half a second; the pairs take about 50 ILP solves on the
+bench GPT, 40 on the tiny one (0.2-0.3 s of CBC each), the repairs about 1 s of Python in all.
+See ``benchmarks/bench_solvers.py``.
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from rkgb.cdgraph import CDGraph
 from solvers.checkmate_ilp import RkCheckmateILP
+from solvers.option_repair import ScheduleRepair
 from solvers.options import BlockOption, ClassOptions, autograd_option, no_grad_forward, option_from_computes
 
 __all__ = ["GridReport", "solve_class_options", "pareto_front"]
 
+# the repair of a pair starts from the answers of this many nearest looser pairs (measured on
+# the GPT attention classes: a third seed, or the known solutions nearest to fitting, cost
+# more Python time than they save solver time)
+REPAIR_SEEDS = 2
+# CBC's options for the grid's solves: cutting planes off but probing (~15% less time over a
+# grid than no cuts at all), pseudo-costs trusted after one strong branching (~15% less, the
+# same optima). Whole-graph Checkmate keeps the defaults of :func:`make_pulp_solver`: with
+# these it stopped at its 30 s limit on a worse schedule (2-layer GPT, budget 60%).
+GRID_CBC_OPTIONS = ("cuts off", "probing on", "trust 1")
+
 
 @dataclass
 class GridReport:
-    """How the grid was solved: what the benchmark prints."""
+    """How the grid was solved: what the benchmark prints.
+
+    ``pairs`` grid pairs, of which ``solved`` by an ILP, ``reused`` (an earlier solution or a
+    repaired one proven optimal by a looser pair), ``pruned_infeasible`` (tighter than an
+    infeasible pair). ``repaired``: repaired solutions better than every fitting known one,
+    found in ``repair_s`` seconds. Phases in seconds: ``build_s`` (the ILP model), ``bounds_s``
+    (the min-peak and min-save solves), ``grid_s`` (the pairs), ``total_s``.
+    """
 
     pairs: int = 0
     solved: int = 0
@@ -40,6 +71,8 @@ class GridReport:
     pruned_infeasible: int = 0
     time_limit_hits: int = 0
     grid_limit_skipped: int = 0
+    repaired: int = 0
+    repair_s: float = 0.0
     build_s: float = 0.0
     bounds_s: float = 0.0
     grid_s: float = 0.0
@@ -63,6 +96,20 @@ def _linspace(low: float, high: float, count: int) -> list[int]:
     return sorted({int(round(low + (high - low) * i / (count - 1))) for i in range(count)})
 
 
+def _levels(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Distinct (peak, save) ``pairs`` by levels, the loosest first: a pair's level is one more
+    than the highest level of the pairs looser than it (both budgets >=), so that the pairs of
+    a level are pairwise incomparable and every looser pair is on an earlier level."""
+    ordered = sorted(set(pairs), key=lambda q: (-q[0], -q[1]))
+    level: dict[tuple[int, int], int] = {}
+    for q in ordered:  # the looser pairs of q come before q in this order
+        level[q] = 1 + max((level[r] for r in level if r[0] >= q[0] and r[1] >= q[1]), default=-1)
+    grouped: list[list[tuple[int, int]]] = [[] for _ in range(1 + max(level.values(), default=-1))]
+    for q in ordered:
+        grouped[level[q]].append(q)
+    return grouped
+
+
 def solve_class_options(
     graph: CDGraph,
     *,
@@ -74,6 +121,8 @@ def solve_class_options(
     lazy_recompute: bool = False,
     gap: float = 0.0,
     warm_start: bool = True,
+    repair: bool = True,
+    workers: int = 2,
     grid_time_limit_s: float | None = None,
     report: GridReport | None = None,
 ) -> ClassOptions:
@@ -93,7 +142,13 @@ def solve_class_options(
     gap
         Relative optimality gap accepted from the ILP solver (0: proven optimal).
     warm_start
-        Give CBC the best known solution that fits a pair as its first incumbent.
+        Give CBC the best known (or repaired) solution that fits a pair as its first incumbent.
+    repair
+        Repair the solutions of looser pairs into solutions of the pair (module docstring, 4).
+    workers
+        ILPs solved at the same time, one solver process each (at most the CPU count). The
+        pairs of a level are decided from the earlier levels only: the options do not depend
+        on ``workers`` (unless a solve hits its time limit, which is wall-clock time).
     grid_time_limit_s
         Stop solving new pairs after this long (the options found so far are kept; the
         report counts the pairs left unsolved).
@@ -107,9 +162,22 @@ def solve_class_options(
     top = autograd_option(graph)
     options = [top]
     unit = max(1.0, top.peak_bytes / 1000.0)
-    ilp = RkCheckmateILP(graph, forward_recompute=forward_recompute, lazy_recompute=lazy_recompute,
-                         memory_unit_bytes=unit)
+    workers = max(1, min(int(workers), os.cpu_count() or 1))
+    # one model per running solve (a solve sets the model's bounds, objective and values)
+    built = [RkCheckmateILP(graph, forward_recompute=forward_recompute, lazy_recompute=lazy_recompute,
+                            memory_unit_bytes=unit) for _ in range(workers)]
+    models: queue.SimpleQueue[RkCheckmateILP] = queue.SimpleQueue()
+    for model in built:
+        models.put(model)
     report.build_s = time.perf_counter() - start
+
+    def solve_one(peak, save, kwargs):
+        ilp = models.get()
+        try:
+            return ilp.solve(peak, save, time_limit_s=time_limit_s, solver=ilp_solver, gap=gap,
+                             cbc_options=GRID_CBC_OPTIONS, **kwargs)
+        finally:
+            models.put(ilp)
 
     def measured(solution, source: str) -> BlockOption | None:
         if not solution.feasible:
@@ -118,64 +186,111 @@ def solve_class_options(
         option.time_limit_hit = solution.time_limit_hit
         return option
 
-    peak_solution = ilp.solve(None, None, objective="peak", time_limit_s=time_limit_s, solver=ilp_solver, gap=gap)
-    save_solution = ilp.solve(None, None, objective="save", time_limit_s=time_limit_s, solver=ilp_solver, gap=gap)
-    lowest_peak = measured(peak_solution, "min peak")
-    lowest_save = measured(save_solution, "min save")
-    for o in (lowest_peak, lowest_save):
-        if o is not None:
-            options.append(o)
-            report.time_limit_hits += int(o.time_limit_hit)
-    report.bounds_s = time.perf_counter() - start - report.build_s
-    min_peak = lowest_peak.peak_bytes if lowest_peak else top.peak_bytes
-    min_save = lowest_save.saved_bytes if lowest_save else top.saved_bytes
-    peaks = _linspace(min_peak, top.peak_bytes, peak_steps)
-    saves = _linspace(min_save, top.saved_bytes, save_steps)
+    # solves run in threads, each waiting for its solver process: ``workers`` solver processes
+    # run at a time while the main thread decides (and repairs starts for) the next pairs
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        bounds_solves = [pool.submit(solve_one, None, None, {"objective": o}) for o in ("peak", "save")]
+        peak_solution, save_solution = (f.result() for f in bounds_solves)
+        lowest_peak = measured(peak_solution, "min peak")
+        lowest_save = measured(save_solution, "min save")
+        for o in (lowest_peak, lowest_save):
+            if o is not None:
+                options.append(o)
+                report.time_limit_hits += int(o.time_limit_hit)
+        report.bounds_s = time.perf_counter() - start - report.build_s
+        min_peak = lowest_peak.peak_bytes if lowest_peak else top.peak_bytes
+        min_save = lowest_save.saved_bytes if lowest_save else top.saved_bytes
+        peaks = _linspace(min_peak, top.peak_bytes, peak_steps)
+        saves = _linspace(min_save, top.saved_bytes, save_steps)
+        peak_range = max(1, top.peak_bytes - min_peak)
+        save_range = max(1, top.saved_bytes - min_save)
 
-    # every feasible solution found so far: (computes, option); an option that fits a pair is
-    # a feasible start (MIP start) for it, and the best of them is optimal when it is no slower
-    # than the solution of a looser pair (a lower bound: tightening budgets never helps)
-    known: list[tuple[list[str], BlockOption]] = [([c.name for c in graph.compute_nodes], top)]
-    for solution, option in ((peak_solution, lowest_peak), (save_solution, lowest_save)):
-        if option is not None:
-            known.append((solution.computes, option))
-    # (peak budget, save budget, near-optimal option) of pairs answered with a proof
-    answered: list[tuple[int, int, BlockOption]] = [(top.peak_bytes, top.saved_bytes, top)]
-    infeasible: list[tuple[int, int]] = []
-    for peak in sorted(peaks, reverse=True):
-        for save in sorted(saves, reverse=True):
-            save = min(save, peak)
-            report.pairs += 1
-            if any(peak <= p and save <= s for p, s in infeasible):
-                report.pruned_infeasible += 1
-                continue
-            fitting = [(c, o) for c, o in known if o.peak_bytes <= peak and o.saved_bytes <= save]
-            best = min(fitting, key=lambda co: co[1].time_s, default=None)
-            bounds = [o.time_s for p, s, o in answered if peak <= p and save <= s]
-            if best is not None and bounds and best[1].time_s <= max(bounds) * (1 + 1e-9):
-                report.reused += 1
-                continue
-            if grid_time_limit_s is not None and time.perf_counter() - start > grid_time_limit_s:
-                report.grid_limit_skipped += 1  # the best fitting option (if any) is already kept
-                continue
-            solution = ilp.solve(peak, save, time_limit_s=time_limit_s, solver=ilp_solver, gap=gap,
-                                 start=best[0] if best is not None and warm_start else None)
-            report.solved += 1
-            option = measured(solution, f"peak<={peak}, save<={save}")
-            if option is None:
-                if not solution.time_limit_hit:
-                    infeasible.append((peak, save))
-                else:
-                    report.time_limit_hits += 1
-                continue
-            report.time_limit_hits += int(option.time_limit_hit)
-            if best is not None and best[1].time_s < option.time_s:
-                option = best[1]  # the solver stopped (time limit, gap) above the start
-            else:
+        # every feasible solution found so far: (computes, option); an option that fits a pair
+        # is a feasible start (MIP start) for it, and the best of them is optimal when it is no
+        # slower than the solution of a looser pair (a lower bound: tightening never helps)
+        known: list[tuple[list[str], BlockOption]] = [([c.name for c in graph.compute_nodes], top)]
+        for solution, option in ((peak_solution, lowest_peak), (save_solution, lowest_save)):
+            if option is not None:
                 known.append((solution.computes, option))
-                options.append(option)
-            if not option.time_limit_hit:
-                answered.append((peak, save, option))
+        # (peak budget, save budget, near-optimal option, its computes) of pairs answered with a proof
+        answered: list[tuple[int, int, BlockOption, list[str]]] = [
+            (top.peak_bytes, top.saved_bytes, top, known[0][0])]
+        infeasible: list[tuple[int, int]] = []
+        repairer = None
+        if repair:
+            allowed = {(t, k) for t, slots in enumerate(built[0].slots) for k, r in slots if r is not None}
+            repairer = ScheduleRepair(graph, allowed, lazy=lazy_recompute)
+
+        def excess(option: BlockOption, peak: int, save: int) -> float:
+            """How far ``option`` is from fitting (peak, save), relative to the grid's ranges."""
+            return max(0, option.peak_bytes - peak) / peak_range + max(0, option.saved_bytes - save) / save_range
+
+        def repaired_start(peak: int, save: int, best, bound: float | None):
+            """The best of ``best`` and of the repairs of the nearest looser answers (each better
+            repair is kept as a known solution and an option)."""
+            looser = sorted((a for a in answered if peak <= a[0] and save <= a[1] and excess(a[2], peak, save) > 0),
+                            key=lambda a: (a[0] - peak) / peak_range + (a[1] - save) / save_range)
+            began = time.process_time()
+            for _, _, _, computes in looser[:REPAIR_SEEDS]:
+                found = repairer.repair(computes, peak, save)
+                if found is not None and (best is None or found[1].time_s < best[1].time_s):
+                    best = found
+                    known.append(found)
+                    options.append(found[1])
+                    report.repaired += 1
+                    if bound is not None and best[1].time_s <= bound * (1 + 1e-9):
+                        break  # optimal: no need for another seed
+            report.repair_s += time.process_time() - began
+            return best
+
+        # a save budget above the peak budget is the peak budget; equal pairs are solved once
+        grid = [(peak, min(save, peak)) for peak in peaks for save in saves]
+        report.pairs += len(grid)
+        report.reused += len(grid) - len(set(grid))
+        for level in _levels(grid):
+            # decide each pair of the level from what the earlier levels found; a pair to solve
+            # starts solving at once, and the level's results are taken in order at its end
+            tasks = []  # (peak, save, start, solution to come)
+            for peak, save in level:
+                if any(peak <= p and save <= s for p, s in infeasible):
+                    report.pruned_infeasible += 1
+                    continue
+                fitting = [(c, o) for c, o in known if o.peak_bytes <= peak and o.saved_bytes <= save]
+                best = min(fitting, key=lambda co: co[1].time_s, default=None)
+                bound = max((o.time_s for p, s, o, _ in answered if peak <= p and save <= s), default=None)
+                if best is not None and bound is not None and best[1].time_s <= bound * (1 + 1e-9):
+                    report.reused += 1
+                    continue
+                if repairer is not None:
+                    best = repaired_start(peak, save, best, bound)
+                    if best is not None and bound is not None and best[1].time_s <= bound * (1 + 1e-9):
+                        report.reused += 1
+                        answered.append((peak, save, best[1], best[0]))
+                        continue
+                if grid_time_limit_s is not None and time.perf_counter() - start > grid_time_limit_s:
+                    report.grid_limit_skipped += 1  # the best fitting option (if any) is already kept
+                    continue
+                kwargs = {"start": best[0] if best is not None and warm_start else None}
+                tasks.append((peak, save, best, pool.submit(solve_one, peak, save, kwargs)))
+            for peak, save, best, future in tasks:
+                solution = future.result()
+                report.solved += 1
+                option = measured(solution, f"peak<={peak}, save<={save}")
+                if option is None:
+                    if not solution.time_limit_hit:
+                        infeasible.append((peak, save))
+                    else:
+                        report.time_limit_hits += 1
+                    continue
+                report.time_limit_hits += int(option.time_limit_hit)
+                computes = solution.computes
+                if best is not None and best[1].time_s < option.time_s:
+                    computes, option = best  # the solver stopped (time limit, gap) above the start
+                else:
+                    known.append((computes, option))
+                    options.append(option)
+                if not solution.time_limit_hit:  # a proof (within the gap): a bound for tighter pairs
+                    answered.append((peak, save, option, computes))
     report.grid_s = time.perf_counter() - start - report.build_s - report.bounds_s
     front = pareto_front(options)
     report.total_s = time.perf_counter() - start
@@ -186,7 +301,8 @@ def solve_class_options(
         solve_time_s=report.total_s,
         notes=[
             f"{report.pairs} pairs: {report.solved} solved, {report.reused} reused, "
-            f"{report.pruned_infeasible} infeasible by dominance, {report.time_limit_hits} time limits hit"
+            f"{report.pruned_infeasible} infeasible by dominance, {report.time_limit_hits} time limits hit, "
+            f"{report.repaired} repaired starts"
             + (f", {report.grid_limit_skipped} left by the grid time limit" if report.grid_limit_skipped else "")
         ],
     )

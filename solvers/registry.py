@@ -223,6 +223,7 @@ class RockmateSolver(ChainPlanner):
     forward_recompute: bool = False
     lazy_recompute: bool = True
     gap: float = 0.01
+    workers: int = 2  # ILPs of a grid solved at the same time (the options do not depend on it)
     reports: dict[int, GridReport] = field(default_factory=dict, repr=False)
     cache: OptionCache | None = field(default_factory=lambda: default_cache, repr=False)
 
@@ -241,6 +242,7 @@ class RockmateSolver(ChainPlanner):
                 forward_recompute=self.forward_recompute,
                 lazy_recompute=self.lazy_recompute,
                 gap=self.gap,
+                workers=self.workers,
                 report=report,
             )
 

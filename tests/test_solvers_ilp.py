@@ -171,3 +171,74 @@ def test_pruned_grid_answers_every_pair_optimally(name):
                 continue
             best = option_from_computes(graph, solution.computes).time_s
             assert fitting and min(fitting) == pytest.approx(best, rel=1e-9)
+
+
+def test_grid_levels_are_antichains_after_every_looser_pair():
+    from solvers.block_options import _levels
+
+    rng = random.Random(0)
+    pairs = [(rng.randrange(8), rng.randrange(8)) for _ in range(40)]
+    levels = _levels(pairs)
+    assert sorted(q for level in levels for q in level) == sorted(set(pairs))
+    where = {q: i for i, level in enumerate(levels) for q in level}
+    for q, q_level in where.items():
+        for r, r_level in where.items():
+            if q != r and r[0] >= q[0] and r[1] >= q[1]:  # r is looser than q
+                assert r_level < q_level, (r, q)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("name", ["multi_output", "random0", "random1", "random3"])
+def test_repaired_schedules_fit_and_are_valid_mip_starts(name, lazy):
+    """Repairing the autograd schedule (or any solution) for tighter budgets gives a schedule
+    that the simulator measures within them, that uses only the ILP's recomputations (lazy
+    ones when asked), and that CBC accepts as a start without losing the optimum."""
+    from solvers.option_repair import ScheduleRepair
+
+    graph = GRAPHS[name]()
+    results = brute_force(graph, lazy=lazy)
+    ilp = RkCheckmateILP(graph, lazy_recompute=lazy)
+    allowed = {(t, k) for t, slots in enumerate(ilp.slots) for k, r in slots if r is not None}
+    repairer = ScheduleRepair(graph, allowed, lazy=lazy, max_evaluations=200)
+    autograd = [c.name for c in graph.compute_nodes]
+    repaired = 0
+    for _, peak, save in sorted({(0, p, s) for _, p, s in results}):
+        found = repairer.repair(autograd, peak, save)
+        if found is None:
+            continue
+        computes, option = found
+        repaired += 1
+        assert option.peak_bytes <= peak and option.saved_bytes <= save
+        assert option_from_computes(graph, computes).key() == option.key()
+        stages = repairer.stages_of(computes)
+        assert all((t, k) in allowed for t, extra in enumerate(stages) for k in extra)
+        if lazy:
+            names = [c.name for c in graph.compute_nodes]
+            assert all(serves_its_stage(graph, [names[k] for k in extra] + [names[t]])
+                       for t, extra in enumerate(stages))
+        if repaired <= 6:
+            cold = ilp.solve(peak, save, time_limit_s=20)
+            warm = ilp.solve(peak, save, time_limit_s=20, start=computes)
+            assert warm.feasible and warm.objective == pytest.approx(cold.objective, abs=1e-6)
+            assert option_from_computes(graph, warm.computes).time_s <= option.time_s + 1e-12
+    assert repaired >= 3
+
+
+@pytest.mark.parametrize("name", ["multi_output", "random1"])
+def test_grid_options_do_not_depend_on_workers_or_repair_quality(name):
+    """Solving a level's pairs in parallel gives the same options as one at a time, and the
+    repaired starts answer every grid pair as well as plain MIP starts."""
+    from solvers.block_options import _linspace
+
+    graph = GRAPHS[name]()
+    one = solve_class_options(graph, peak_steps=5, save_steps=5, workers=1).options
+    two = solve_class_options(graph, peak_steps=5, save_steps=5, workers=2).options
+    assert [o.key() for o in one] == [o.key() for o in two]
+    plain = solve_class_options(graph, peak_steps=5, save_steps=5, repair=False).options
+    top = max(one, key=lambda o: (o.peak_bytes, o.saved_bytes))
+    for peak in _linspace(min(o.peak_bytes for o in one), top.peak_bytes, 5):
+        for save in _linspace(min(o.saved_bytes for o in one), top.saved_bytes, 5):
+            a = min((o.time_s for o in one if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
+            b = min((o.time_s for o in plain if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
+            assert (a is None) == (b is None)
+            assert a is None or a == pytest.approx(b, rel=1e-9)

@@ -1,0 +1,228 @@
+"""A primal heuristic for the option grid: repair a known schedule until it fits tighter budgets.
+
+The ILP of a grid pair is solved much faster when the solver starts from a good feasible
+solution (CBC's MIP start): without one, CBC spends most of a solve finding a first solution
+(feasibility pump) and then improving it. The solution of a looser neighbouring pair is
+usually a few recomputations away from the optimum of the tighter pair, so this module starts
+from it and adds recomputations, greedily and measured by the simulator, until the schedule
+fits; then it removes the recomputations that are no longer needed.
+
+A solution is a sequence of computes in Checkmate's stages (stage ``t`` runs compute node
+``t`` last, after recomputations of earlier forward nodes); the schedule, its peak, saved
+memory and time are those of :func:`solvers.options.option_from_computes`, as for every option.
+Only the recomputations that the ILP models (``allowed``) are used, and with
+``lazy=True`` each recomputation serves a later operation of its own stage, so that the result
+is a valid MIP start.
+"""
+
+from __future__ import annotations
+
+from rkgb.cdgraph import CDGraph, ComputeKind
+from solvers.options import BlockOption, option_from_computes
+from solvers.schedule import Forget
+from solvers.simulate import (
+    InvalidSchedule,
+    effective_needs,
+    operation_outputs,
+    schedule_from_computes,
+    simulate,
+)
+
+__all__ = ["ScheduleRepair"]
+
+Stages = tuple[tuple[int, ...], ...]  # per stage, the forward nodes recomputed (sorted)
+
+
+class ScheduleRepair:
+    """Greedy repair of schedules of one CD-graph (see the module's documentation).
+
+    Parameters
+    ----------
+    graph
+        The class's CD-graph.
+    allowed
+        ``(stage, forward index)`` pairs a recomputation may use (the ILP's ``R`` variables).
+    lazy
+        Every recomputation must serve a later operation of its stage.
+    max_evaluations
+        Simulations per :meth:`repair` call (each under a millisecond on a 25-node block).
+    """
+
+    def __init__(self, graph: CDGraph, allowed: set[tuple[int, int]], *, lazy: bool = True,
+                 max_evaluations: int = 30) -> None:
+        self.graph = graph
+        self.nodes = graph.compute_nodes
+        self.names = [c.name for c in self.nodes]
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.allowed = allowed
+        self.lazy = lazy
+        self.max_evaluations = max_evaluations
+        self.needs = [set(effective_needs(graph, c)) for c in self.nodes]
+        self.outputs = [set(operation_outputs(graph, c, True)) for c in self.nodes]
+        self.producer: dict[str, int] = {}
+        for i, c in enumerate(self.nodes):
+            if c.kind is ComputeKind.FORWARD:
+                for d in self.outputs[i]:
+                    self.producer.setdefault(d, i)
+        self.inputs = set(graph.input_data)
+        self.loss = next(i for i, c in enumerate(self.nodes) if c.kind is ComputeKind.LOSS)
+        self._cache: dict[Stages, BlockOption | None] = {}
+        self.evaluations = 0
+
+    # -- representation ------------------------------------------------------------------
+    def stages_of(self, computes: list[str]) -> Stages:
+        extra: list[list[int]] = [[] for _ in self.nodes]
+        stage = 0
+        for name in computes:
+            i = self.index[name]
+            if i == stage:
+                stage += 1
+            elif stage < len(self.nodes):
+                extra[stage].append(i)
+        return tuple(tuple(sorted(set(e))) for e in extra)
+
+    def computes_of(self, stages: Stages) -> list[str]:
+        return [self.names[k] for t, extra in enumerate(stages) for k in (*extra, t)]
+
+    def evaluate(self, stages: Stages) -> BlockOption | None:
+        if stages not in self._cache:
+            self.evaluations += 1
+            try:
+                self._cache[stages] = option_from_computes(self.graph, self.computes_of(stages), source="repair")
+            except InvalidSchedule:
+                self._cache[stages] = None
+        return self._cache[stages]
+
+    def _lazy(self, stages: list[list[int]]) -> Stages:
+        """Drop the recomputations that serve no later operation of their stage."""
+        if self.lazy:
+            for t, extra in enumerate(stages):
+                kept: list[int] = []
+                read = set(self.needs[t])
+                for k in sorted(extra, reverse=True):
+                    if self.outputs[k] & read:
+                        kept.append(k)
+                        read |= self.needs[k]
+                stages[t] = kept
+        return tuple(tuple(sorted(set(e))) for e in stages)
+
+    # -- moves ---------------------------------------------------------------------------
+    def _replay(self, stages: Stages):
+        """Alive sets at the start of each stage and at the peak, and where each op runs."""
+        computes = self.computes_of(stages)
+        schedule = schedule_from_computes(self.graph, computes, protected=set(self.graph.input_grads))
+        result = simulate(self.graph, schedule, keep_outputs=False)
+        alive = set(self.inputs)
+        stage_start: list[set[str]] = []
+        op_stage: list[int] = []  # stage of each Compute, in order
+        peak_alive: set[str] = set()
+        peak_position = -1  # position of the peak's Compute among the computes
+        stage = 0
+        position = 0
+        for i, op in enumerate(schedule.ops):
+            if isinstance(op, Forget):
+                alive.discard(op.node)
+                continue
+            while len(stage_start) <= stage:
+                stage_start.append(set(alive))
+            if i == result.peak_index:
+                peak_alive, peak_position = set(alive), position
+            op_stage.append(stage)
+            if self.index[op.node] == stage:
+                stage += 1
+            alive.update(operation_outputs(self.graph, self.graph.compute(op.node), op.with_grad))
+            position += 1
+        return computes, result, stage_start, op_stage, peak_alive, peak_position
+
+    def _candidates(self, stages: Stages, peak: float, save: float) -> list[Stages]:
+        computes, result, stage_start, op_stage, peak_alive, peak_position = self._replay(stages)
+        targets: set[tuple[int, int]] = set()  # (stage, forward) to recompute there
+
+        def next_use(d: str, after: int) -> None:
+            for position in range(after + 1, len(computes)):
+                if d in self.needs[self.index[computes[position]]]:
+                    t = op_stage[position]
+                    if (t, self.producer[d]) in self.allowed:
+                        targets.add((t, self.producer[d]))
+                    return
+
+        if result.saved_bytes > save and result.alive_after_forward:
+            loss_position = computes.index(self.names[self.loss])
+            for d in result.alive_after_forward:
+                if d in self.producer and d not in self.inputs and self.graph.size(d) > 0:
+                    next_use(d, loss_position)
+        if result.peak_bytes > peak and peak_position >= 0:
+            node = self.index[computes[peak_position]]
+            for d in peak_alive:
+                if d in self.producer and d not in self.inputs and self.graph.size(d) > 0 and d not in self.needs[node]:
+                    next_use(d, peak_position)
+        moves: list[Stages] = []
+        for t, k in sorted(targets):
+            alone = [list(e) for e in stages]
+            alone[t].append(k)
+            moves.append(self._lazy(alone))
+            # with the chain of its inputs that are not alive when the stage starts
+            chain = [list(e) for e in stages]
+            todo, added = [k], set(chain[t])
+            while todo:
+                j = todo.pop()
+                if j in added:
+                    continue
+                added.add(j)
+                chain[t].append(j)
+                for d in self.needs[j]:
+                    p = self.producer.get(d)
+                    if p is not None and d not in stage_start[t] and (t, p) in self.allowed and p not in added:
+                        todo.append(p)
+            moves.append(self._lazy(chain))
+        return list(dict.fromkeys(moves))
+
+    # -- search --------------------------------------------------------------------------
+    def repair(self, computes: list[str], peak: float, save: float) -> tuple[list[str], BlockOption] | None:
+        """A schedule near ``computes`` that fits ``peak`` and ``save`` (bytes), or None.
+
+        Greedy: while the schedule does not fit, evaluate every move (recompute, at the stage
+        of its next use, a data node alive at the loss or at the peak; alone, or with the chain
+        of its inputs that are not alive then) and keep a fitting one of least time, else the
+        one that removes the most excess memory per second of recomputation. Then drop the
+        recomputations that the fit does not need.
+        """
+        budget = self.evaluations + self.max_evaluations
+        scale = max(peak, save, 1.0)
+
+        def excess(o: BlockOption) -> float:
+            return (max(0, o.peak_bytes - peak) + max(0, o.saved_bytes - save)) / scale
+
+        current = self._lazy([list(e) for e in self.stages_of(computes)])
+        option = self.evaluate(current)
+        if option is None:
+            return None
+        while excess(option) > 0:
+            if self.evaluations >= budget:
+                return None
+            scored = [(move, new) for move in self._candidates(current, peak, save)
+                      if (new := self.evaluate(move)) is not None]
+            fitting = [(m, o) for m, o in scored if excess(o) == 0]
+            if fitting:
+                current, option = min(fitting, key=lambda mo: mo[1].time_s)
+                break
+            better = [(m, o) for m, o in scored if excess(o) < excess(option)]
+            if not better:
+                return None
+            current, option = max(
+                better, key=lambda mo: (excess(option) - excess(mo[1])) / max(mo[1].time_s - option.time_s, 1e-12))
+        improved = True
+        while improved and self.evaluations < budget:
+            improved = False
+            for t, extra in enumerate(current):
+                for k in extra:
+                    smaller = [list(e) for e in current]
+                    smaller[t].remove(k)
+                    move = self._lazy(smaller)
+                    new = self.evaluate(move)
+                    if new is not None and excess(new) == 0 and new.time_s < option.time_s:
+                        current, option, improved = move, new, True
+                        break
+                if improved:
+                    break
+        return self.computes_of(current), option
