@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
+from rkgb.gradsink import GradSink
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
 from solvers.schedule import Schedule
@@ -68,45 +69,6 @@ def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Ten
             root_grads.append(grad)
     if roots:
         torch.autograd.backward(roots, root_grads)  # checks shapes: the user's gradients
-
-
-class _GradSink:
-    """Collects the gradient of a node's leaf as eager PyTorch's ``InputBuffer`` would.
-
-    A pre-hook on the leaf's ``AccumulateGrad`` node: it stores the first contribution as is
-    (no copy into the leaf's layout, unlike ``AccumulateGrad``; a copy only when it is a
-    slice of a bigger storage, whose memory it would hold), adds later ones, and tells
-    ``AccumulateGrad`` to do nothing. The node's backward then receives exactly the gradient
-    that eager PyTorch would pass to it, in the same memory layout, so that reductions in
-    that backward (a bias gradient) round identically.
-    """
-
-    __slots__ = ("leaf", "owned", "node")
-
-    def __init__(self, leaf: torch.Tensor) -> None:
-        self.leaf = leaf
-        self.owned = False
-        grad_fn = leaf.view_as(leaf).grad_fn  # cheaper than get_gradient_edge(leaf)
-        self.node = grad_fn.next_functions[0][0] if grad_fn is not None else get_gradient_edge(leaf).node
-        self.node.register_prehook(self)
-
-    def __call__(self, grad_outputs):
-        grad = grad_outputs[0]
-        if grad is not None:
-            old = self.leaf.grad
-            if old is None:
-                if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
-                    # a slice of a bigger gradient (cat's backward): keeping it would keep the
-                    # whole storage alive after the plan forgets the bigger gradient
-                    grad = grad.clone()
-                self.leaf.grad = grad
-                self.owned = False
-            elif self.owned:
-                old.add_(grad)
-            else:
-                self.leaf.grad = old + grad
-                self.owned = True
-        return (None,)
 
 
 def _stash_grad(parameter: torch.Tensor) -> torch.Tensor | None:
@@ -210,7 +172,7 @@ class _Runner:
             "backward_edges": _backward_edges,
             "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,
-            "grad_sink": _GradSink,
+            "grad_sink": GradSink,
             "stash_grad": _stash_grad,
             "restore_grad": _restore_grad,
         }

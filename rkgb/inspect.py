@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from .blocks import Block, Chain
 from .interpret import initial_environment, run_lines
 from .memory import AllocationTracker
+from .gradsink import GradSink
 from .saved import SavedTensors, storage_key
 from .simplify import SimplifiedGraph, SimplifiedNode
 
@@ -249,47 +249,6 @@ def _view_lines(node: SimplifiedNode) -> list:
 def _drop(node: SimplifiedNode, env) -> None:
     for line in node.lines:
         env.pop(line.name, None)
-
-
-class GradSink:
-    """Collects the gradient of a leaf as the executor does (``exec.runtime._GradSink``).
-
-    A pre-hook on the leaf's ``AccumulateGrad`` node: the first contribution is stored as is
-    (a copy only when it is a slice of a bigger storage), the second is added out of place
-    (``old + grad``: a new tensor the sink owns), later ones in place into that tensor; and
-    ``AccumulateGrad`` does nothing. Inspection runs backwards with the same sinks as the
-    executor, so that it sees the same gradients: in the same memory layouts (which decide
-    the temporary memory of the backwards that read them), and sharing storage where the
-    executor's share it (an ``add``'s backward passes its incoming gradient itself to both its
-    inputs).
-    """
-
-    __slots__ = ("leaf", "owned", "node", "calls")
-
-    def __init__(self, leaf: torch.Tensor) -> None:
-        self.leaf = leaf
-        self.owned = False
-        self.calls = 0  # contributions received (for the inspection)
-        grad_fn = leaf.view_as(leaf).grad_fn
-        self.node = grad_fn.next_functions[0][0] if grad_fn is not None else get_gradient_edge(leaf).node
-        self.node.register_prehook(self)
-
-    def __call__(self, grad_outputs):
-        grad = grad_outputs[0]
-        if grad is not None:
-            self.calls += 1
-            old = self.leaf.grad
-            if old is None:
-                if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
-                    grad = grad.clone()
-                self.leaf.grad = grad
-                self.owned = False
-            elif self.owned:
-                old.add_(grad)
-            else:
-                self.leaf.grad = old + grad
-                self.owned = True
-        return (None,)
 
 
 class _GradState:
