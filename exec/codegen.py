@@ -74,7 +74,6 @@ def node_infos(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) ->
     """
     infos: dict[str, NodeInfo] = {}
     owner = graph.owner
-    user_outputs = set(graph.outputs)
     for node in graph.nodes:
         floating = any(_floating(o.dtype) for o in node.outputs)
         reads_grad = False
@@ -86,18 +85,10 @@ def node_infos(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) ->
                 elif holder is not None:
                     reads_grad |= global_requires_grad.get(holder, False)
         requires_grad = reads_grad and floating
-        own = {line.name for line in node.lines}
-        exported, metadata, exported_rg = [], {}, {}
-        for line in [node.main] + node.body:
-            if line.name in node.buffer_updates:
-                continue
-            if line.name in user_outputs or any(user.name not in own for user in line.users):
-                value = line.meta.get("val")
-                if not isinstance(value, torch.Tensor):
-                    continue  # a shape read by another node: not data
-                exported.append(line.name)
-                metadata[line.name] = (tuple(int(d) for d in value.shape), value.dtype)
-                exported_rg[line.name] = requires_grad and _floating(value.dtype)
+        exported = graph.exported(node)
+        values = {line.name: line.meta["val"] for line in [node.main] + node.body if line.name in exported}
+        metadata = {name: (tuple(int(d) for d in v.shape), v.dtype) for name, v in values.items()}
+        exported_rg = {name: requires_grad and _floating(v.dtype) for name, v in values.items()}
         infos[node.name] = NodeInfo(
             node=node,
             exported=exported,
@@ -388,15 +379,8 @@ class _Generator:
 
     def shared_parameters(self) -> list[str]:
         """Parameters read by more than one node (directly or through views)."""
-        readers: dict[str, set[str]] = {name: set() for name in self.graph.captured.parameters}
-        owner = self.graph.owner
-        for node in self.graph.nodes:
-            for line in node.lines:
-                for arg in line.all_input_nodes:
-                    holder = owner.get(arg.name, arg.name)
-                    if holder in readers:
-                        readers[holder].add(node.name)
-        return [name for name, nodes in readers.items() if len(nodes) > 1]
+        readers = self.graph.readers()
+        return [name for name in self.graph.captured.parameters if len(readers.get(name, ())) > 1]
 
     # -- phases ----------------------------------------------------------------------------
     def header(self, w: _Writer) -> None:

@@ -27,22 +27,15 @@ __all__ = ["merge_candidates", "without_shared_reads", "plan_merges", "executed_
 def merge_candidates(graph, infos) -> dict[str, str]:
     """``a -> b`` for every node ``a`` whose exported tensors only ``b`` reads (both requiring
     grad, none of ``a``'s tensors a model output). Independent of the schedule."""
-    readers: dict[str, set[str]] = {name: set() for name in infos}
-    owner = graph.owner
-    for node in graph.nodes:
-        for line in node.lines:
-            for arg in line.all_input_nodes:
-                holder = owner.get(arg.name)
-                if holder in readers and holder != node.name:
-                    readers[holder].add(node.name)
-    outputs = {owner.get(name, name) for name in graph.outputs}
+    readers = graph.readers()
+    outputs = {graph.owner.get(name, name) for name in graph.outputs}
     candidates = {}
     for name, info in infos.items():
         if name in outputs or not info.requires_grad or not info.exported:
             continue
         if not all(info.exported_requires_grad[o] for o in info.exported):
             continue
-        if len(readers[name]) == 1:
+        if len(readers.get(name, ())) == 1:
             (reader,) = readers[name]
             if infos[reader].requires_grad:
                 candidates[name] = reader
@@ -113,16 +106,6 @@ def executed_order(schedule: Schedule, merged: dict[str, str]) -> Schedule:
     return Schedule(out)
 
 
-def _read_holders(graph, node) -> set[str]:
-    """Nodes and globals (parameters, buffers, inputs) whose tensors ``node``'s lines read."""
-    owner = graph.owner
-    return {
-        owner.get(arg.name, arg.name)
-        for line in node.lines
-        for arg in line.all_input_nodes
-    } - {node.name}
-
-
 def without_shared_reads(graph, merges: dict[str, str]) -> dict[str, str]:
     """The merges that keep every merged island from reading one tensor in two of its nodes.
 
@@ -134,10 +117,11 @@ def without_shared_reads(graph, merges: dict[str, str]) -> dict[str, str]:
     chain_of: dict[str, str] = {}  # node -> first node of its merged chain
     reads: dict[str, set[str]] = {}  # first node of a chain -> holders its nodes read
     kept: dict[str, str] = {}
+    merged_into = {b: a for a, b in merges.items()}
     for node in graph.nodes:
         b = node.name
-        a = next((x for x, y in merges.items() if y == b), None)
-        mine = _read_holders(graph, node)
+        a = merged_into.get(b)
+        mine = graph.reads(node)
         if a is not None and a in chain_of:
             head = chain_of[a]
             if not (reads[head] - {a}) & (mine - {a}):

@@ -217,6 +217,19 @@ class SimplifiedGraph:
                     exported.append(line.name)
         return exported
 
+    def reads(self, node: SimplifiedNode) -> set[str]:
+        """Owners (nodes, or globals: parameters, buffers, inputs) of the tensors ``node``'s
+        lines read, ``node`` itself excluded."""
+        return {self.owner.get(arg.name, arg.name) for line in node.lines for arg in line.all_input_nodes} - {node.name}
+
+    def readers(self) -> dict[str, set[str]]:
+        """Owner (node or global) -> the nodes whose lines read one of its tensors."""
+        readers: dict[str, set[str]] = {}
+        for node in self.nodes:
+            for holder in self.reads(node):
+                readers.setdefault(holder, set()).add(node.name)
+        return readers
+
     def users(self) -> dict[str, list[str]]:
         users: dict[str, list[str]] = {node.name: [] for node in self.nodes}
         for node in self.nodes:
