@@ -66,11 +66,21 @@ def _floating(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+_aten = torch.ops.aten
+# allocations shaped like their argument, whose results never require grad
+_NO_GRADIENT = {
+    _aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default,
+    _aten.full_like.default, _aten.rand_like.default, _aten.randn_like.default,
+}
+
+
 def node_infos(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) -> dict[str, NodeInfo]:
     """Static information on every node, given which globals (placeholder names) require grad.
 
     A node requires grad when one of its lines reads a global that requires grad or the data of
-    a node that requires grad, and it has a floating-point output.
+    a node that requires grad, it has a floating-point output, and its main op is not an
+    allocation like ``empty_like`` (the noise of a dropout on CPU), which autograd never
+    differentiates.
     """
     infos: dict[str, NodeInfo] = {}
     owner = graph.owner
@@ -84,7 +94,7 @@ def node_infos(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) ->
                     reads_grad |= infos[holder].requires_grad
                 elif holder is not None:
                     reads_grad |= global_requires_grad.get(holder, False)
-        requires_grad = reads_grad and floating
+        requires_grad = reads_grad and floating and node.main.target not in _NO_GRADIENT
         exported = graph.exported(node)
         values = {line.name: line.meta["val"] for line in [node.main] + node.body if line.name in exported}
         metadata = {name: (tuple(int(d) for d in v.shape), v.dtype) for name, v in values.items()}

@@ -7,11 +7,17 @@ statistics), in-place operations become functional ones, and high-level operatio
 convolution) stay undecomposed.
 
 torch.export lowers ``dropout`` to ``native_dropout`` (a value and a bool mask). Eager PyTorch
-runs ``native_dropout`` only on devices with a fused kernel (CUDA); on CPU it runs
-``bernoulli_``, ``div_`` and ``mul`` and saves a float mask. :func:`restore_dropout` turns
-every ``native_dropout`` whose mask nobody reads back into ``aten.dropout``, so that each
-device runs exactly eager's kernels: the same random numbers, the same saved tensors, and on
-CPU four fewer passes over each tensor than ``native_dropout`` and its backward.
+runs ``native_dropout`` only on devices with a fused kernel (CUDA); on CPU it draws a float
+noise (``empty_like``, ``bernoulli_``, ``div_``) and returns ``x * noise``, saving the noise.
+:func:`restore_dropout` makes every device run exactly eager's kernels (the same random
+numbers, the same saved tensors) wherever the mask is unused:
+
+- on CUDA, ``aten.dropout``, which dispatches to the fused kernel as eager does;
+- on CPU, eager's own decomposition, written as three nodes: a bool mask (random), the float
+  noise made from it (without grad) and ``mul`` (see :func:`_cpu_dropout`). ``bernoulli_``
+  costs about ten elementwise passes on CPU; with these nodes a plan can keep the noise,
+  which the backward needs anyway, and recompute the output by one multiplication, or keep
+  only the mask and rebuild the noise by one conversion, instead of drawing again.
 """
 
 from __future__ import annotations
@@ -68,9 +74,9 @@ def as_input_tuple(sample) -> tuple:
     return (sample,)
 
 
-def restore_dropout(graph: torch.fx.Graph) -> int:
-    """Replace ``native_dropout(x, p, True)[0]`` by ``dropout(x, p, True)`` where the mask is
-    unused (see the module docstring); returns how many were replaced."""
+def restore_dropout(graph: torch.fx.Graph, device: torch.device) -> int:
+    """Replace ``native_dropout(x, p, True)[0]`` by eager's dropout on ``device`` where the mask
+    is unused (see the module docstring); returns how many were replaced."""
     native, getitem = torch.ops.aten.native_dropout.default, operator.getitem
     replaced = 0
     for node in list(graph.nodes):
@@ -80,10 +86,14 @@ def restore_dropout(graph: torch.fx.Graph) -> int:
         users = list(node.users)
         if train is not True or not all(u.target is getitem and u.args[1] == 0 for u in users):
             continue
+        value = node.meta["val"][0]
         with graph.inserting_before(node):
-            dropout = graph.call_function(torch.ops.aten.dropout.default, (x, p, True))
+            if device.type == "cpu" and 0 < p < 1 and value.numel() > 0:
+                dropout = _cpu_dropout(graph, x, p, value)
+            else:
+                dropout = graph.call_function(torch.ops.aten.dropout.default, (x, p, True))
         dropout.meta = dict(node.meta)
-        dropout.meta["val"] = node.meta["val"][0]
+        dropout.meta["val"] = value
         for user in users:
             user.replace_all_uses_with(dropout)
             graph.erase_node(user)
@@ -92,6 +102,42 @@ def restore_dropout(graph: torch.fx.Graph) -> int:
     if replaced:
         graph.lint()
     return replaced
+
+
+def _cpu_dropout(graph: torch.fx.Graph, x: torch.fx.Node, p: float, value) -> torch.fx.Node:
+    """Eager's CPU dropout (ATen's ``_dropout_impl``: ``noise = empty_like(x)``,
+    ``noise.bernoulli_(1 - p)``, ``noise.div_(1 - p)``, ``x * noise``), with the random draw
+    made into a bool mask first: ``bernoulli_`` draws the same numbers whatever the tensor's
+    dtype (tested), and ``mask.to(dtype)`` is exactly eager's 0/1 noise before ``div_``. The
+    mask (a quarter of the float noise) is what a plan keeps to rebuild the noise without
+    drawing again. Returns the product."""
+    aten = torch.ops.aten
+    x_value = x.meta["val"]
+    with value.fake_mode:
+        mask_value = torch.empty_like(x_value, dtype=torch.bool)
+        noise_value = torch.empty_like(x_value)
+    keep = 1 - p
+
+    def line(target, args, name, meta, kwargs=None):
+        node = graph.create_node("call_function", target, args, kwargs or {}, name=name)
+        node.meta["val"] = meta
+        return node
+
+    mask = line(aten.empty_like.default, (x,), "dropout_mask", mask_value, {"dtype": torch.bool})
+    mask = line(aten.bernoulli_.float, (mask, keep), "dropout_mask_drawn", mask_value)
+    noise = line(aten._to_copy.default, (mask,), "dropout_noise", noise_value, {"dtype": x_value.dtype})
+    noise = line(aten.div_.Scalar, (noise, keep), "dropout_noise_scaled", noise_value)
+    return graph.create_node("call_function", aten.mul.Tensor, (x, noise), name="dropout")
+
+
+def sample_device(model: nn.Module, args: tuple) -> torch.device:
+    """The device the model runs on: its first tensor input's, else its first parameter's."""
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    for value in model.parameters():
+        return value.device
+    return torch.device("cpu")
 
 
 def capture(model: nn.Module, sample) -> CapturedGraph:
@@ -116,7 +162,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "strict=False) accepts (no data-dependent control flow on tensor values)."
         ) from error
 
-    restore_dropout(exported.graph)
+    restore_dropout(exported.graph, sample_device(model, args))
     signature = exported.graph_signature
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}

@@ -325,6 +325,7 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
                 continue
             holder = nodes[base_owner]
             holder.body.append(fx_node)
+            holder.is_random |= _is_random(fx_node)  # dropout's noise: empty_like, bernoulli_
             owner[fx_node.name] = base_owner
             if kind is OpKind.INPLACE:
                 _add_deps(holder, fx_node, inputs, owner, nodes, static)

@@ -182,12 +182,31 @@ def test_unsupported_operation_names_op_and_module():
 
 
 def test_dropout_runs_eagers_kernels():
-    """torch.export lowers dropout to native_dropout; capture restores aten.dropout so that CPU
-    runs eager's kernels (a float mask, no bool conversion) and CUDA its fused kernel."""
-    from rkgb.capture import capture
+    """torch.export lowers dropout to native_dropout; capture gives each device eager's kernels:
+    on CPU eager's decomposition (a float noise drawn by bernoulli_, then mul), as three
+    simplified nodes (bool mask, noise, product) so that the output and the noise can be
+    recomputed without drawing again; on CUDA
+    aten.dropout (the fused kernel)."""
+    from rkgb.capture import capture, restore_dropout
 
     model, sample = ZOO["gpt"].build()
-    targets = [n.target for n in capture(model, sample).graph.nodes if n.op == "call_function"]
-    assert torch.ops.aten.native_dropout.default not in targets
     dropouts = sum(isinstance(m, torch.nn.Dropout) for m in model.modules())
+    captured = capture(model, sample)
+    targets = [n.target for n in captured.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.native_dropout.default not in targets
+    assert torch.ops.aten.dropout.default not in targets
+    assert targets.count(torch.ops.aten.bernoulli_.float) == dropouts
+    assert targets.count(torch.ops.aten.empty_like.default) == dropouts
+
+    graph = simplify(captured)
+    masks = [n for n in graph.nodes if n.name.startswith("dropout_mask")]
+    assert len(masks) == dropouts and all(n.is_random and n.outputs[0].dtype == torch.bool for n in masks)
+    noises = [n for n in graph.nodes if n.name.startswith("dropout_noise")]
+    assert len(noises) == dropouts and not any(n.is_random for n in noises)
+    products = [n for n in graph.nodes if n.main.target is torch.ops.aten.mul.Tensor and n.name.startswith("dropout")]
+    assert len(products) == dropouts and not any(n.is_random for n in products)
+
+    exported = torch.export.export(model, sample, strict=False).run_decompositions({})
+    assert restore_dropout(exported.graph, torch.device("cuda")) == dropouts
+    targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.aten.dropout.default) == dropouts
