@@ -11,7 +11,8 @@ through :class:`rkgb.saved.SavedTensors`. For each simplified node ``x`` we meas
   alive and what the op leaves behind (allocation tracking on CPU,
   ``torch.cuda.max_memory_allocated`` on CUDA; never process RSS);
 - forward and backward times: the median of repeats (CUDA events on GPU), or a deterministic
-  cost model from FLOPs and bytes (``cost_model="flops"``) for reproducible tests.
+  cost model from FLOPs, bytes and random numbers drawn (``cost_model="flops"``) for
+  reproducible tests.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .blocks import Block, Chain
 from .interpret import initial_environment, run_lines
@@ -35,9 +38,26 @@ __all__ = ["NodeMeasure", "BlockMeasure", "GradSink", "inspect_chain", "COST_MOD
 
 COST_MODELS = ("measured", "flops")
 
-# the deterministic cost model: a machine doing 1e11 FLOP/s and moving 1e10 bytes/s
+# the deterministic cost model: a machine doing 1e11 FLOP/s and moving 1e10 bytes/s, which
+# draws a random number in 9 ns (bernoulli_ on one CPU core: 4.8 ms for 2**19 elements, the
+# time of a 400 MFLOP matmul; FLOP counters count no work for random ops)
 _FLOPS_PER_S = 1e11
 _BYTES_PER_S = 1e10
+_RANDOM_S_PER_ELEMENT = 9e-9
+
+
+class _RandomElements(TorchDispatchMode):
+    """Counts the elements that random ops (tagged ``nondeterministic_seeded``) write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            self.count += sum(t.numel() for t in tree_leaves(result) if isinstance(t, torch.Tensor))
+        return result
 
 
 @dataclass
@@ -92,9 +112,10 @@ class _Clock:
         if self.cost_model == "flops":
             from torch.utils.flop_counter import FlopCounterMode
 
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False) as counter, _RandomElements() as random:
                 fn()
-            return counter.get_total_flops() / _FLOPS_PER_S + bytes_moved / _BYTES_PER_S
+            return (counter.get_total_flops() / _FLOPS_PER_S + bytes_moved / _BYTES_PER_S
+                    + random.count * _RANDOM_S_PER_ELEMENT)
         samples = []
         for _ in range(self.repeats):
             if self.device.type == "cuda":
