@@ -4,7 +4,7 @@ For budgets of 100% (no recomputation needed) and 50% of eager's activation peak
 budget, predicted and measured peak, predicted and measured step time, and eager's step time.
 One thread; runs of eager and Rockmate are interleaved; medians and ratios are reported.
 
-    .venv/bin/python benchmarks/bench_rockmate.py [--preset bench] [--steps 10]
+    .venv/bin/python benchmarks/bench_rockmate.py [--preset bench] [--steps 20] [--warmup 5]
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def _step(module, sample, track: bool):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default="bench")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each, interleaved")
     parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5])
     parser.add_argument("--solver", default="rockmate")
     args = parser.parse_args()
@@ -82,8 +83,10 @@ def main() -> None:
         start = time.perf_counter()
         compiled = Rockmate(model, sample, budget, solver=args.solver)
         plan_s = time.perf_counter() - start
-        _step(compiled, sample, False)
         measured_peak = _step(compiled, sample, True)[1]
+        for _ in range(args.warmup):  # the heap settles over the first steps (glibc, caches)
+            _step(eager, sample, False)
+            _step(compiled, sample, False)
         eager_runs, rock_runs = [], []
         for _ in range(args.steps):
             eager_runs.append(_step(eager, sample, False))

@@ -10,7 +10,8 @@ through :class:`rkgb.saved.SavedTensors`. For each simplified node ``x`` we meas
 - the temporary memory of ``fwd_x`` and ``bwd_x``: the peak while the op runs above what was
   alive and what the op leaves behind (allocation tracking on CPU,
   ``torch.cuda.max_memory_allocated`` on CUDA; never process RSS);
-- forward and backward times: the median of repeats (CUDA events on GPU), or a deterministic
+- forward and backward times: the median of repeats after one untimed run (CUDA events on
+  GPU), or a deterministic
   cost model from FLOPs, bytes and random numbers drawn (``cost_model="flops"``) for
   reproducible tests.
 """
@@ -116,6 +117,7 @@ class _Clock:
                 fn()
             return (counter.get_total_flops() / _FLOPS_PER_S + bytes_moved / _BYTES_PER_S
                     + random.count * _RANDOM_S_PER_ELEMENT)
+        fn()  # untimed: the first run pays for cold caches and fresh pages, as training's steps do not
         samples = []
         for _ in range(self.repeats):
             if self.device.type == "cuda":
