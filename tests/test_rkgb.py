@@ -184,7 +184,7 @@ def test_unsupported_operation_names_op_and_module():
 def test_dropout_runs_eagers_kernels():
     """torch.export lowers dropout to native_dropout; capture gives each device eager's kernels:
     on CPU eager's decomposition (a float noise drawn by bernoulli_, then mul), as three
-    simplified nodes (bool mask, noise, product) so that the output and the noise can be
+    simplified nodes (one-byte mask, noise, product) so that the output and the noise can be
     recomputed without drawing again; on CUDA
     aten.dropout (the fused kernel)."""
     from rkgb.capture import capture, restore_dropout
@@ -200,7 +200,7 @@ def test_dropout_runs_eagers_kernels():
 
     graph = simplify(captured)
     masks = [n for n in graph.nodes if n.name.startswith("dropout_mask")]
-    assert len(masks) == dropouts and all(n.is_random and n.outputs[0].dtype == torch.bool for n in masks)
+    assert len(masks) == dropouts and all(n.is_random and n.outputs[0].dtype == torch.uint8 for n in masks)
     noises = [n for n in graph.nodes if n.name.startswith("dropout_noise")]
     assert len(noises) == dropouts and not any(n.is_random for n in noises)
     products = [n for n in graph.nodes if n.main.target is torch.ops.aten.mul.Tensor and n.name.startswith("dropout")]
