@@ -74,9 +74,10 @@ def as_input_tuple(sample) -> tuple:
     return (sample,)
 
 
-def restore_dropout(graph: torch.fx.Graph, device: torch.device) -> int:
+def restore_dropout(graph: torch.fx.Graph, device: torch.device, renamed: dict[str, str] | None = None) -> int:
     """Replace ``native_dropout(x, p, True)[0]`` by eager's dropout on ``device`` where the mask
-    is unused (see the module docstring); returns how many were replaced."""
+    is unused (see the module docstring); returns how many were replaced. ``renamed`` receives
+    the old name -> new name of each replaced value (the export's signature names outputs)."""
     native, getitem = torch.ops.aten.native_dropout.default, operator.getitem
     replaced = 0
     for node in list(graph.nodes):
@@ -95,6 +96,8 @@ def restore_dropout(graph: torch.fx.Graph, device: torch.device) -> int:
         dropout.meta = dict(node.meta)
         dropout.meta["val"] = value
         for user in users:
+            if renamed is not None:
+                renamed[user.name] = dropout.name
             user.replace_all_uses_with(dropout)
             graph.erase_node(user)
         graph.erase_node(node)
@@ -163,7 +166,8 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "strict=False) accepts (no data-dependent control flow on tensor values)."
         ) from error
 
-    restore_dropout(exported.graph, sample_device(model, args))
+    renamed: dict[str, str] = {}
+    restore_dropout(exported.graph, sample_device(model, args), renamed)
     signature = exported.graph_signature
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}
@@ -193,7 +197,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     buffer_mutations: dict[str, str] = {}
     for spec in signature.output_specs:
         if spec.kind is OutputKind.USER_OUTPUT:
-            user_outputs.append(spec.arg.name)
+            user_outputs.append(renamed.get(spec.arg.name, spec.arg.name))
         elif spec.kind is OutputKind.BUFFER_MUTATION:
             buffer_mutations[spec.arg.name] = spec.target
         else:

@@ -251,11 +251,21 @@ def _floating_input(graph: SimplifiedGraph, block: Block) -> bool:
 
 
 def _synthesize_input(graph: SimplifiedGraph, block: Block, env, device) -> None:
-    """Random values of the right shape and dtype for the block's input and its views."""
+    """Random values of the right shape, dtype and layout for the block's input and its views.
+
+    The layout is the traced one: an elementwise op on a transposed view returns a transposed
+    tensor, and the next block's ops (a linear's contiguous copy of its input) depend on it."""
     node = graph.node(block.input_node)
     generator = torch.Generator(device=device).manual_seed(block.index)
+    traced = {line.name: line.meta.get("val") for line in node.lines}
     for output in node.outputs:
-        env[output.fx_name] = torch.randn(output.shape, dtype=output.dtype, device=device, generator=generator)
+        value = torch.randn(output.shape, dtype=output.dtype, device=device, generator=generator)
+        layout = traced.get(output.fx_name)
+        if isinstance(layout, torch.Tensor) and not layout.is_contiguous():
+            strided = torch.empty_strided(output.shape, tuple(int(s) for s in layout.stride()),
+                                          dtype=output.dtype, device=device)
+            value = strided.copy_(value)
+        env[output.fx_name] = value
     run_lines(_view_lines(node), env)
 
 
