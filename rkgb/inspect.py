@@ -10,7 +10,7 @@ through :class:`rkgb.saved.SavedTensors`. For each simplified node ``x`` we meas
 - the temporary memory of ``fwd_x`` and ``bwd_x``: the peak while the op runs above what was
   alive and what the op leaves behind (allocation tracking on CPU,
   ``torch.cuda.max_memory_allocated`` on CUDA; never process RSS);
-- forward and backward times: the median of repeats after one untimed run (CUDA events on
+- forward and backward times: the fastest of repeats after one untimed run (CUDA events on
   GPU), or a deterministic
   cost model from FLOPs, bytes and random numbers drawn (``cost_model="flops"``) for
   reproducible tests.
@@ -19,7 +19,6 @@ through :class:`rkgb.saved.SavedTensors`. For each simplified node ``x`` we meas
 from __future__ import annotations
 
 import operator
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -131,7 +130,9 @@ class _Clock:
                 begin = time.perf_counter()
                 fn()
                 samples.append(time.perf_counter() - begin)
-        return statistics.median(samples)
+        # the fastest: noise on a shared machine only ever adds time, and a plan built on one
+        # inflated sample avoids recomputing that op for the wrong reason
+        return min(samples)
 
 
 class _PeakMeter:

@@ -29,7 +29,8 @@ __all__ = ["Rockmate", "min_budget", "BuildOptions"]
 class BuildOptions:
     """How the graph builder measures the model.
 
-    ``cost_model``: ``"measured"`` (median of ``repeats`` timings on the sample's device) or
+    ``cost_model``: ``"measured"`` (fastest of ``repeats`` timings on the sample's device, after
+    one untimed run) or
     ``"flops"`` (a deterministic model from FLOPs and bytes, for reproducible plans).
     """
 
