@@ -32,7 +32,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from .errors import CaptureError
 
-__all__ = ["CapturedGraph", "capture", "as_input_tuple", "restore_dropout"]
+__all__ = ["CapturedGraph", "capture", "as_input_tuple", "device_of", "restore_dropout"]
 
 
 @dataclass
@@ -134,13 +134,12 @@ def _cpu_dropout(graph: torch.fx.Graph, x: torch.fx.Node, p: float, value) -> to
     return graph.create_node("call_function", aten.mul.Tensor, (x, noise), name="dropout")
 
 
-def sample_device(model: nn.Module, args: tuple) -> torch.device:
-    """The device the model runs on: its first tensor input's, else its first parameter's."""
-    for value in args:
+def device_of(model: nn.Module, args: tuple) -> torch.device:
+    """The device the model runs on (where inspection measures it and the plan executes): its
+    first parameter's or buffer's, else its first tensor input's, else the CPU."""
+    for value in [*model.parameters(), *model.buffers(), *args]:
         if isinstance(value, torch.Tensor):
             return value.device
-    for value in model.parameters():
-        return value.device
     return torch.device("cpu")
 
 
@@ -167,7 +166,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         ) from error
 
     renamed: dict[str, str] = {}
-    restore_dropout(exported.graph, sample_device(model, args), renamed)
+    restore_dropout(exported.graph, device_of(model, args), renamed)
     signature = exported.graph_signature
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}

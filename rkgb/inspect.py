@@ -11,9 +11,8 @@ through :class:`rkgb.saved.SavedTensors`. For each simplified node ``x`` we meas
   alive and what the op leaves behind (allocation tracking on CPU,
   ``torch.cuda.max_memory_allocated`` on CUDA; never process RSS);
 - forward and backward times: the fastest of repeats after one untimed run (CUDA events on
-  GPU), or a deterministic
-  cost model from FLOPs, bytes and random numbers drawn (``cost_model="flops"``) for
-  reproducible tests.
+  GPU), or a deterministic cost model from FLOPs, bytes and random numbers drawn
+  (``cost_model="flops"``) for reproducible tests.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .blocks import Block, Chain
+from .capture import as_input_tuple, device_of
 from .interpret import initial_environment, run_lines
 from .memory import AllocationTracker
 from .gradsink import GradSink
@@ -177,12 +177,6 @@ def _outputs_of(node: SimplifiedNode, env) -> list[torch.Tensor]:
     return [env[o.fx_name] for o in node.outputs]
 
 
-def _device_of(model: nn.Module) -> torch.device:
-    for value in list(model.parameters()) + list(model.buffers()):
-        return value.device
-    return torch.device("cpu")
-
-
 def inspect_chain(
     graph: SimplifiedGraph,
     chain: Chain,
@@ -195,7 +189,7 @@ def inspect_chain(
 
     The model's parameters, buffers, gradients and the global RNG state are left as found.
     """
-    device = _device_of(model)
+    device = device_of(model, as_input_tuple(sample))
     clock = _Clock(cost_model, device, repeats)
     representatives = {cls.representative: cls.index for cls in chain.classes}
     position = {node.name: i for i, node in enumerate(graph.nodes)}

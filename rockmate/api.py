@@ -29,9 +29,9 @@ __all__ = ["Rockmate", "min_budget", "BuildOptions"]
 class BuildOptions:
     """How the graph builder measures the model.
 
-    ``cost_model``: ``"measured"`` (fastest of ``repeats`` timings on the sample's device, after
-    one untimed run) or
-    ``"flops"`` (a deterministic model from FLOPs and bytes, for reproducible plans).
+    ``cost_model``: ``"measured"`` (fastest of ``repeats`` timings on the model's device, after
+    one untimed run) or ``"flops"`` (a deterministic model from FLOPs, bytes and random numbers
+    drawn, for reproducible plans).
     """
 
     cost_model: str = "measured"

@@ -185,8 +185,7 @@ def test_dropout_runs_eagers_kernels():
     """torch.export lowers dropout to native_dropout; capture gives each device eager's kernels:
     on CPU eager's decomposition (a float noise drawn by bernoulli_, then mul), as three
     simplified nodes (one-byte mask, noise, product) so that the output and the noise can be
-    recomputed without drawing again; on CUDA
-    aten.dropout (the fused kernel)."""
+    recomputed without drawing again; on CUDA aten.dropout (the fused kernel)."""
     from rkgb.capture import capture, restore_dropout
 
     model, sample = ZOO["gpt"].build()
