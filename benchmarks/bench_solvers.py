@@ -31,6 +31,7 @@ from solvers import (  # noqa: E402
     highs_available,
     solve_class_options,
 )
+from solvers.bounds import operation_floor  # noqa: E402
 from solvers.registry import no_recompute_schedule  # noqa: E402
 from solvers.toy_graphs import attention_like_graph, chain_of  # noqa: E402
 
@@ -158,8 +159,11 @@ def bench_quality(layers_list=(2, 3, 4), fractions=(0.5, 0.6, 0.7, 0.8, 0.9),
             print(f"  class {index} ({len(graph.compute_nodes)} C-nodes): grid {report.total_s:.2f} s "
                   f"(bounds {report.bounds_s:.2f} + pairs {report.grid_s:.2f}); {report.pairs} pairs, "
                   f"{report.solved} solved, {report.reused} reused, {report.time_limit_hits} time limits")
+        floor = operation_floor(chain.whole_graph())
         print(f"  min budget / top: rockmate {rk_min / top:.3f}, rotor {ro_min / top:.3f}, checkmate "
               f"{cm_min / top:.3f}; rockmate / rotor = {rk_min / ro_min:.3f}")
+        print(f"  operation floor (no plan of these ops goes lower): {floor.bytes / top:.3f} of top, set by "
+              f"{floor.node}; floor / rotor = {floor.bytes / ro_min:.3f}, rockmate / floor = {rk_min / floor.bytes:.3f}")
         print("  budget/top | rockmate ms | checkmate ms       | rotor ms | rk/cm  | rk plan s | cm plan s")
         for fraction in fractions:
             budget = int(fraction * top)

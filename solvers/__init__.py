@@ -4,6 +4,7 @@ Functions of plain data (CD-graphs, chains, budgets) returning schedules; no tor
 """
 
 from solvers.block_options import GridReport, pareto_front, solve_class_options
+from solvers.bounds import OperationFloor, operation_floor
 from solvers.checkmate_ilp import ILPSolution, RkCheckmateILP, highs_available
 from solvers.options import (
     BlockOption,
@@ -33,9 +34,9 @@ from solvers.simulate import InvalidSchedule, SimulationResult, schedule_from_co
 __all__ = [
     "BlockCosts", "BlockOption", "ChainAction", "ChainCosts", "ChainPlanner", "ChainStrategy",
     "CheckmateSolver", "ClassOptions", "Compute", "Forget", "GridReport", "ILPSolution",
-    "InvalidSchedule", "NoGradForward", "NoRecomputeSolver", "Operation", "OptionCosts", "Plan",
+    "InvalidSchedule", "NoGradForward", "NoRecomputeSolver", "Operation", "OperationFloor", "OptionCosts", "Plan",
     "RkCheckmateILP", "RockmateSolver", "RotorSolver", "SOLVERS", "Schedule", "SimulationResult",
     "autograd_option", "get_solver", "highs_available", "min_budget", "no_grad_forward",
-    "no_recompute_schedule", "option_from_computes", "pareto_front", "schedule_from_computes",
+    "no_recompute_schedule", "operation_floor", "option_from_computes", "pareto_front", "schedule_from_computes",
     "simulate", "solve", "solve_chain", "solve_class_options", "strategy_peak", "with_outputs_kept",
 ]

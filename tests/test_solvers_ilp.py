@@ -7,6 +7,7 @@ import pytest
 
 from rkgb.cdgraph import ComputeKind
 from solvers.block_options import solve_class_options
+from solvers.bounds import operation_floor
 from solvers.checkmate_ilp import RkCheckmateILP
 from solvers.options import option_from_computes
 from solvers.schedule import Compute
@@ -110,6 +111,15 @@ def test_min_peak_and_min_save_objectives(name):
     assert option_from_computes(graph, lowest.computes).peak_bytes == min(p for _, p, _ in results)
     lowest = ilp.solve(None, None, objective="save")
     assert option_from_computes(graph, lowest.computes).saved_bytes == min(s for _, _, s in results)
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_operation_floor_is_under_every_schedule(name):
+    """No schedule peaks below the floor; on these tiny graphs the best schedule reaches it."""
+    graph = GRAPHS[name]()
+    lowest = min(p for _, p, _ in brute_force(graph))
+    floor = operation_floor(graph, keep_outputs=False)
+    assert floor.bytes == lowest, (floor, lowest)
 
 
 def test_without_forward_recomputation_equals_its_brute_force():

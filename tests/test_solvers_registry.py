@@ -5,6 +5,7 @@ import random
 import pytest
 
 from solvers import SOLVERS, CheckmateSolver, RockmateSolver, get_solver, min_budget, simulate, solve
+from solvers.bounds import operation_floor
 from solvers.registry import no_recompute_schedule
 from solvers.toy_graphs import chain_of, diamond_graph, linear_graph, random_chain
 
@@ -61,6 +62,14 @@ def test_rockmate_is_no_worse_than_rotor_and_close_to_checkmate(chains):
             c = checkmate.solve(chain, budget)
             assert a.predicted_time <= b.predicted_time + 1e-9
             assert c.predicted_time <= a.predicted_time + 1e-9
+
+
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+def test_no_solver_goes_below_the_operation_floor(name, chains):
+    for chain in chains:
+        floor = operation_floor(chain.whole_graph())
+        assert floor.bytes > 0 and floor.node
+        assert get_solver(name, **FAST.get(name, {})).min_budget(chain) >= floor.bytes, (name, floor)
 
 
 def test_unknown_solver_name_says_the_allowed_names(chains):
