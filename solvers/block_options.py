@@ -171,13 +171,24 @@ def solve_class_options(
         models.put(model)
     report.build_s = time.perf_counter() - start
 
-    def solve_one(peak, save, kwargs):
+    def solve_one(peak, save, kwargs, limit_s=time_limit_s):
         ilp = models.get()
         try:
-            return ilp.solve(peak, save, time_limit_s=time_limit_s, solver=ilp_solver, gap=gap,
+            return ilp.solve(peak, save, time_limit_s=limit_s, solver=ilp_solver, gap=gap,
                              cbc_options=GRID_CBC_OPTIONS, **kwargs)
         finally:
             models.put(ilp)
+
+    def bound(objective: str):
+        """The min-peak or min-save solve. It sets the grid's range and the class's minimum
+        budget, so one stopped by the time limit (a loaded machine) is retried with 5x the time."""
+        solution = solve_one(None, None, {"objective": objective})
+        if solution.feasible and not solution.time_limit_hit:
+            return solution
+        retry = solve_one(None, None, {"objective": objective}, 5 * time_limit_s)
+        report.notes.append(f"min-{objective} solve hit its {time_limit_s} s limit; retried with "
+                            f"{5 * time_limit_s} s ({'proven' if retry.feasible and not retry.time_limit_hit else 'limit hit again'})")
+        return retry if retry.feasible or not solution.feasible else solution
 
     def measured(solution, source: str) -> BlockOption | None:
         if not solution.feasible:
@@ -189,7 +200,7 @@ def solve_class_options(
     # solves run in threads, each waiting for its solver process: ``workers`` solver processes
     # run at a time while the main thread decides (and repairs starts for) the next pairs
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        bounds_solves = [pool.submit(solve_one, None, None, {"objective": o}) for o in ("peak", "save")]
+        bounds_solves = [pool.submit(bound, o) for o in ("peak", "save")]
         peak_solution, save_solution = (f.result() for f in bounds_solves)
         lowest_peak = measured(peak_solution, "min peak")
         lowest_save = measured(save_solution, "min save")

@@ -291,8 +291,10 @@ class CheckmateSolver:
         start = time.perf_counter()
         graph, ilp = self._ilp(chain)
         target = float(budget)
+        time_limit_hit = False
         for _ in range(3):
             solution = ilp.solve(target, None, time_limit_s=self.time_limit_s, solver=self.ilp_solver)
+            time_limit_hit |= solution.time_limit_hit
             if not solution.feasible:
                 break
             schedule = self._schedule(graph, solution.computes)
@@ -301,16 +303,33 @@ class CheckmateSolver:
             if plan.predicted_peak <= budget:
                 return plan
             target -= plan.predicted_peak - budget  # solver tolerance on large numbers
-        minimum = self.min_budget(chain)
-        return _infeasible(chain, budget, self.name, minimum, solve_time_s=time.perf_counter() - start,
-                           time_limit_hit=solution.time_limit_hit)
+        # no schedule within the budget: the lowest-peak schedule the ILP finds either fits
+        # after all (the time limit stopped the search above) or gives the minimum budget
+        lowest, lowest_limit_hit = self._lowest(chain)
+        if lowest.predicted_peak <= budget:
+            lowest.budget = budget
+            lowest.time_limit_hit = True
+            lowest.solve_time_s = time.perf_counter() - start
+            lowest.notes.append(f"no schedule found within {self.time_limit_s} s at budget {budget} B; "
+                                "returning the lowest-peak schedule found, which fits")
+            return lowest
+        return _infeasible(chain, budget, self.name, lowest.predicted_peak, solve_time_s=time.perf_counter() - start,
+                           time_limit_hit=time_limit_hit or lowest_limit_hit)
 
-    def min_budget(self, chain: ModelChain) -> int:
+    def _lowest(self, chain: ModelChain) -> tuple[Plan, bool]:
+        """The lowest-peak plan the ILP finds (the no-recomputation one if it finds none), and
+        whether the search stopped at the time limit."""
         graph, ilp = self._ilp(chain)
         solution = ilp.solve(None, None, objective="peak", time_limit_s=self.time_limit_s, solver=self.ilp_solver)
+        budget = 0
         if not solution.feasible:
-            return simulate(graph, no_recompute_schedule(chain)).peak_bytes
-        return simulate(graph, self._schedule(graph, solution.computes)).peak_bytes
+            return _plan(chain, budget, self.name, no_recompute_schedule(chain)), solution.time_limit_hit
+        plan = _plan(chain, budget, self.name, self._schedule(graph, solution.computes),
+                     time_limit_hit=solution.time_limit_hit)
+        return plan, solution.time_limit_hit
+
+    def min_budget(self, chain: ModelChain) -> int:
+        return self._lowest(chain)[0].predicted_peak
 
 
 @dataclass

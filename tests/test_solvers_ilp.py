@@ -122,6 +122,30 @@ def test_operation_floor_is_under_every_schedule(name):
     assert floor.bytes == lowest, (floor, lowest)
 
 
+def test_a_bound_solve_stopped_by_its_time_limit_is_retried(monkeypatch):
+    """The min-peak solve sets the class's minimum budget: one that a loaded machine stops
+    without a solution is solved again with more time, not replaced by the no-recompute peak."""
+    from solvers.block_options import GridReport
+    from solvers.checkmate_ilp import ILPSolution
+
+    graph = GRAPHS["random0"]()
+    real_solve = RkCheckmateILP.solve
+    stopped = []
+
+    def first_peak_solve_stopped(self, peak_bytes, save_bytes=None, *, objective="time", **kwargs):
+        if objective == "peak" and not stopped:
+            stopped.append(kwargs["time_limit_s"])
+            return ILPSolution(False, status="Not Solved", time_limit_hit=True)
+        return real_solve(self, peak_bytes, save_bytes, objective=objective, **kwargs)
+
+    monkeypatch.setattr(RkCheckmateILP, "solve", first_peak_solve_stopped)
+    report = GridReport()
+    options = solve_class_options(graph, peak_steps=3, save_steps=3, time_limit_s=4, report=report).options
+    assert stopped == [4]
+    assert min(o.peak_bytes for o in options) == min(p for _, p, _ in brute_force(graph))
+    assert any("retried with 20 s (proven)" in note for note in report.notes), report.notes
+
+
 def test_without_forward_recomputation_equals_its_brute_force():
     graph = multi_output_graph()
     results = brute_force(graph, forward_recompute=False)

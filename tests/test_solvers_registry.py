@@ -72,6 +72,30 @@ def test_no_solver_goes_below_the_operation_floor(name, chains):
         assert get_solver(name, **FAST.get(name, {})).min_budget(chain) >= floor.bytes, (name, floor)
 
 
+def test_checkmate_stopped_by_its_time_limit_keeps_a_schedule_that_fits(chains, monkeypatch):
+    """A budgeted solve that finds nothing in time falls back to the lowest-peak schedule: a
+    feasible plan flagged as time-limited when it fits, never "infeasible" with a minimum under
+    the budget."""
+    from solvers.checkmate_ilp import ILPSolution, RkCheckmateILP
+
+    real_solve = RkCheckmateILP.solve
+
+    def stopped_unless_peak(self, peak_bytes, save_bytes=None, *, objective="time", **kwargs):
+        if objective == "time":
+            return ILPSolution(False, status="Not Solved", time_limit_hit=True)
+        return real_solve(self, peak_bytes, save_bytes, objective=objective, **kwargs)
+
+    monkeypatch.setattr(RkCheckmateILP, "solve", stopped_unless_peak)
+    chain = chains[1]
+    solver = CheckmateSolver()
+    lowest = solver.min_budget(chain)
+    plan = solver.solve(chain, lowest + 1)
+    assert plan.feasible and plan.time_limit_hit and plan.predicted_peak == lowest <= plan.budget
+    assert simulate(chain.whole_graph(), plan.schedule).peak_bytes == lowest
+    plan = solver.solve(chain, lowest - 1)
+    assert not plan.feasible and plan.time_limit_hit and plan.min_budget == lowest
+
+
 def test_unknown_solver_name_says_the_allowed_names(chains):
     with pytest.raises(ValueError, match="solver must be one of"):
         solve(chains[0], 100, "magic")
