@@ -79,6 +79,11 @@ def _plan(chain: ModelChain, budget: int, name: str, schedule: Schedule, **field
     )
 
 
+def _no_recompute_plan(chain: ModelChain, budget: int, name: str) -> Plan:
+    """The plan that recomputes nothing (autograd's), under solver ``name``."""
+    return _plan(chain, budget, name, no_recompute_schedule(chain))
+
+
 def _infeasible(chain: ModelChain, budget: int, name: str, minimum: int, **fields) -> Plan:
     return Plan(
         feasible=False,
@@ -178,6 +183,13 @@ class ChainPlanner:
         costs, per_block = self.chain_costs(chain)
         strategy = solve_chain(costs, int(budget), self.slots)
         if strategy is None:
+            top = _no_recompute_plan(chain, budget, self.name)
+            if top.predicted_peak <= budget:
+                # the DP rounds memory up to its slots, block by block: at budgets within a few
+                # slots of the no-recomputation peak it can miss the schedule that fits exactly
+                top.solve_time_s = time.perf_counter() - start
+                top.notes.append("the DP found no strategy; the no-recomputation schedule fits the budget")
+                return top
             return _infeasible(chain, budget, self.name, self.min_budget(chain),
                                solve_time_s=time.perf_counter() - start)
         schedule = self.instantiate(chain, per_block, strategy.actions)
@@ -192,11 +204,13 @@ class ChainPlanner:
         return plan
 
     def min_budget(self, chain: ModelChain) -> int:
-        """The smallest budget the DP meets (binary search, to 0.05% or 1 byte)."""
+        """The smallest budget the DP meets (binary search, to 0.05% or 1 byte), or the
+        no-recomputation peak if that is lower (see :meth:`solve`)."""
         costs, _ = self.chain_costs(chain)
-        high = max(1, simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes)
-        while solve_chain(costs, high, self.slots) is None:
-            high *= 2
+        top = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
+        high = max(1, top)
+        if solve_chain(costs, high, self.slots) is None:
+            return top
         low = 0
         while high - low > max(1, high // 2000):
             middle = (low + high) // 2

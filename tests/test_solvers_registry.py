@@ -96,6 +96,19 @@ def test_checkmate_stopped_by_its_time_limit_keeps_a_schedule_that_fits(chains, 
     assert not plan.feasible and plan.time_limit_hit and plan.min_budget == lowest
 
 
+@pytest.mark.parametrize("name", ["rockmate", "rotor"])
+def test_the_no_recomputation_peak_is_always_a_feasible_budget(name, chains):
+    """The DP rounds memory up to its slots; with coarse slots it misses the schedule that fits
+    the no-recomputation peak exactly, and the planner falls back to that schedule."""
+    for chain in chains:
+        top = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
+        solver = get_solver(name, slots=3, **FAST.get(name, {}))
+        assert solver.min_budget(chain) <= top
+        plan = solver.solve(chain, top)
+        assert plan.feasible and plan.predicted_peak <= top
+        assert simulate(chain.whole_graph(), plan.schedule).peak_bytes == plan.predicted_peak
+
+
 def test_unknown_solver_name_says_the_allowed_names(chains):
     with pytest.raises(ValueError, match="solver must be one of"):
         solve(chains[0], 100, "magic")
