@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 __all__ = ["RkgbError", "CaptureError", "UnsupportedOperation"]
 
 
@@ -31,6 +33,8 @@ def describe_fx_node(node) -> str:
     trace = node.meta.get("stack_trace")
     if trace:
         lines = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File")]
+        # the innermost frame of the user's code, not of torch's own modules (nn.Dropout's forward)
+        user = [line for line in lines if f"{os.sep}torch{os.sep}" not in line]
         if lines:
-            where.append(f"at {lines[-1]}")
+            where.append(f"at {(user or lines)[-1]}")
     return target + (f" ({', '.join(where)})" if where else "")

@@ -16,7 +16,10 @@ from torch import nn
 
 from exec import CompiledModule
 from rkgb.build import ModelGraphs, build
+from rkgb.cdgraph import ComputeKind
+from rkgb.errors import describe_fx_node
 from solvers import registry
+from solvers.bounds import operation_floor
 from solvers.schedule import Plan
 
 from .budget import format_bytes, parse_budget
@@ -104,7 +107,8 @@ class Rockmate(nn.Module):
         self.graphs = _build_graphs(model, sample, build_options)
         plan: Plan = registry.solve(self.graphs.model_chain, budget_bytes, solver, **solver_options)
         if not plan.feasible:
-            raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver)
+            floor, operation = _operation_floor(self.graphs)
+            raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver, floor, operation)
         self.plan = plan
         self.compiled = CompiledModule(
             model, self.graphs.simplified, plan.schedule, sample,
@@ -140,6 +144,19 @@ class Rockmate(nn.Module):
             f"solver={plan.solver!r}, blocks={len(self.graphs.chain.blocks)}, "
             f"classes={len(self.graphs.chain.classes)}"
         )
+
+
+def _operation_floor(graphs: ModelGraphs) -> tuple[int, str]:
+    """The operation floor of the model (bytes) and the operation that sets it, described with
+    its module path and source line."""
+    whole = graphs.model_chain.whole_graph()
+    floor = operation_floor(whole)
+    node = whole.compute(floor.node)
+    if node.kind is ComputeKind.LOSS:
+        return floor.bytes, "the loss (with the model's outputs and their gradients)"
+    names = {n.name for n in graphs.simplified.nodes}
+    what = describe_fx_node(graphs.simplified.node(node.target).main) if node.target in names else node.target
+    return floor.bytes, ("the backward of " if node.kind is ComputeKind.BACKWARD else "") + what
 
 
 def min_budget(model: nn.Module, sample, solver="rockmate", **options) -> int:

@@ -10,14 +10,26 @@ __all__ = ["InfeasibleBudget", "CaptureError", "UnsupportedOperation", "RkgbErro
 
 
 class InfeasibleBudget(ValueError):
-    """The budget is below what the solver can meet; ``minimum`` is the smallest it can."""
+    """The budget is below what the solver can meet; ``minimum`` is the smallest it can.
 
-    def __init__(self, budget: int, minimum: int | None, solver: str) -> None:
+    ``floor`` (bytes, when known) is the operation floor (:func:`solvers.bounds.operation_floor`):
+    no plan that runs the model's operations as eager PyTorch does goes below it, whatever the
+    solver; ``floor_operation`` names the operation that needs it, in the user's terms.
+    """
+
+    def __init__(self, budget: int, minimum: int | None, solver: str, floor: int | None = None,
+                 floor_operation: str = "") -> None:
         self.budget = budget
         self.minimum = minimum
         self.solver = solver
+        self.floor = floor
+        self.floor_operation = floor_operation
         if minimum is None:
             detail = "no budget is feasible for this solver"
         else:
             detail = f"the minimum budget for solver {solver!r} is {minimum} bytes ({format_bytes(minimum)})"
+        if floor is not None:
+            detail += (f"; no plan that runs the model's operations as eager PyTorch does goes below {floor} "
+                       f"bytes ({format_bytes(floor)}), which {floor_operation or 'one operation'} needs on its own "
+                       "(with the gradients alive at that point): below it, recomputation cannot help")
         super().__init__(f"budget of {budget} bytes ({format_bytes(budget)}) is infeasible: {detail}")

@@ -131,6 +131,13 @@ def test_infeasible_budget_gives_the_minimum():
     with pytest.raises(InfeasibleBudget) as info:
         Rockmate(model, sample, minimum // 2, cost_model="flops")
     assert info.value.minimum == minimum
+    # the operation floor: what no plan of eager's operations goes below, and the op that sets it
+    # (the zoo GPT's seq-16 floor is the backward of the last MLP's second linear)
+    error = info.value
+    assert error.floor == 73856 and error.floor / minimum == pytest.approx(1 / 1.063, abs=0.001)
+    assert "the backward of aten." in error.floor_operation and "in module" in error.floor_operation
+    assert "zoo.py" in error.floor_operation  # the user's source line, not torch's nn.Linear
+    assert f"goes below {error.floor} bytes" in str(error) and error.floor_operation in str(error)
     compiled = Rockmate(model, sample, minimum, cost_model="flops")
     assert compiled.plan.predicted_peak <= minimum
 
