@@ -301,13 +301,19 @@ class CheckmateSolver:
             keep_at_end=set(graph.output_data) | set(graph.output_grads),
         )
 
-    def solve(self, chain: ModelChain, budget: int) -> Plan:
+    def solve(self, chain: ModelChain, budget: int, *, start_schedule: Schedule | None = None) -> Plan:
+        """The ILP's best plan within ``budget``. ``start_schedule``: a plan of another solver
+        within the budget (Rockmate's), given to CBC as its first incumbent, so that the result
+        is never worse than it and the time limit is spent improving on it."""
         start = time.perf_counter()
         graph, ilp = self._ilp(chain)
         target = float(budget)
         time_limit_hit = False
+        first = None
+        if start_schedule is not None and self.ilp_solver == "cbc":
+            first = [op.node for op in start_schedule.ops if isinstance(op, Compute)]
         for _ in range(3):
-            solution = ilp.solve(target, None, time_limit_s=self.time_limit_s, solver=self.ilp_solver)
+            solution = ilp.solve(target, None, time_limit_s=self.time_limit_s, solver=self.ilp_solver, start=first)
             time_limit_hit |= solution.time_limit_hit
             if not solution.feasible:
                 break

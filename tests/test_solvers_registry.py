@@ -109,6 +109,19 @@ def test_the_no_recomputation_peak_is_always_a_feasible_budget(name, chains):
         assert simulate(chain.whole_graph(), plan.schedule).peak_bytes == plan.predicted_peak
 
 
+def test_checkmate_started_from_another_plan_is_no_worse(chains):
+    """Rockmate's plan as Checkmate's first incumbent: the result is within the budget and no
+    slower (what bench_solvers' quality table uses to measure how far Rockmate is from it)."""
+    for chain in chains:
+        top = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
+        rockmate = RockmateSolver(peak_steps=4, save_steps=4, cache=None)
+        budget = (rockmate.min_budget(chain) + top) // 2
+        a = rockmate.solve(chain, budget)
+        c = CheckmateSolver().solve(chain, budget, start_schedule=a.schedule)
+        assert c.feasible and c.predicted_peak <= budget
+        assert c.predicted_time <= a.predicted_time + 1e-12
+
+
 def test_unknown_solver_name_says_the_allowed_names(chains):
     with pytest.raises(ValueError, match="solver must be one of"):
         solve(chains[0], 100, "magic")
