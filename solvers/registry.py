@@ -79,9 +79,9 @@ def _plan(chain: ModelChain, budget: int, name: str, schedule: Schedule, **field
     )
 
 
-def _no_recompute_plan(chain: ModelChain, budget: int, name: str) -> Plan:
+def _no_recompute_plan(chain: ModelChain, budget: int, name: str, **fields) -> Plan:
     """The plan that recomputes nothing (autograd's), under solver ``name``."""
-    return _plan(chain, budget, name, no_recompute_schedule(chain))
+    return _plan(chain, budget, name, no_recompute_schedule(chain), **fields)
 
 
 def _infeasible(chain: ModelChain, budget: int, name: str, minimum: int, **fields) -> Plan:
@@ -304,14 +304,12 @@ class CheckmateSolver:
     def solve(self, chain: ModelChain, budget: int, *, start_schedule: Schedule | None = None) -> Plan:
         """The ILP's best plan within ``budget``. ``start_schedule``: a plan of another solver
         within the budget (Rockmate's), given to CBC as its first incumbent, so that the result
-        is never worse than it and the time limit is spent improving on it."""
+        is never worse than it and the time limit is spent improving on it (HiGHS ignores it)."""
         start = time.perf_counter()
         graph, ilp = self._ilp(chain)
         target = float(budget)
         time_limit_hit = False
-        first = None
-        if start_schedule is not None and self.ilp_solver == "cbc":
-            first = [op.node for op in start_schedule.ops if isinstance(op, Compute)]
+        first = None if start_schedule is None else [op.node for op in start_schedule.ops if isinstance(op, Compute)]
         for _ in range(3):
             solution = ilp.solve(target, None, time_limit_s=self.time_limit_s, solver=self.ilp_solver, start=first)
             time_limit_hit |= solution.time_limit_hit
@@ -325,7 +323,7 @@ class CheckmateSolver:
             target -= plan.predicted_peak - budget  # solver tolerance on large numbers
         # no schedule within the budget: the lowest-peak schedule the ILP finds either fits
         # after all (the time limit stopped the search above) or gives the minimum budget
-        lowest, lowest_limit_hit = self._lowest(chain)
+        lowest = self._lowest(chain)
         if lowest.predicted_peak <= budget:
             lowest.budget = budget
             lowest.time_limit_hit = True
@@ -334,22 +332,23 @@ class CheckmateSolver:
                                 "returning the lowest-peak schedule found, which fits")
             return lowest
         return _infeasible(chain, budget, self.name, lowest.predicted_peak, solve_time_s=time.perf_counter() - start,
-                           time_limit_hit=time_limit_hit or lowest_limit_hit)
+                           time_limit_hit=time_limit_hit or lowest.time_limit_hit)
 
-    def _lowest(self, chain: ModelChain) -> tuple[Plan, bool]:
-        """The lowest-peak plan the ILP finds (the no-recomputation one if it finds none), and
-        whether the search stopped at the time limit."""
+    def _lowest(self, chain: ModelChain) -> Plan:
+        """The lowest-peak plan the ILP finds (the no-recomputation one if it finds none), with
+        ``time_limit_hit`` when the search stopped at the time limit; its budget is its peak."""
         graph, ilp = self._ilp(chain)
         solution = ilp.solve(None, None, objective="peak", time_limit_s=self.time_limit_s, solver=self.ilp_solver)
-        budget = 0
         if not solution.feasible:
-            return _plan(chain, budget, self.name, no_recompute_schedule(chain)), solution.time_limit_hit
-        plan = _plan(chain, budget, self.name, self._schedule(graph, solution.computes),
-                     time_limit_hit=solution.time_limit_hit)
-        return plan, solution.time_limit_hit
+            plan = _no_recompute_plan(chain, 0, self.name, time_limit_hit=solution.time_limit_hit)
+        else:
+            plan = _plan(chain, 0, self.name, self._schedule(graph, solution.computes),
+                         time_limit_hit=solution.time_limit_hit)
+        plan.budget = plan.predicted_peak
+        return plan
 
     def min_budget(self, chain: ModelChain) -> int:
-        return self._lowest(chain)[0].predicted_peak
+        return self._lowest(chain).predicted_peak
 
 
 @dataclass
@@ -360,8 +359,8 @@ class NoRecomputeSolver:
 
     def solve(self, chain: ModelChain, budget: int) -> Plan:
         start = time.perf_counter()
-        schedule = no_recompute_schedule(chain)
-        plan = _plan(chain, budget, self.name, schedule, solve_time_s=time.perf_counter() - start)
+        plan = _no_recompute_plan(chain, budget, self.name)
+        plan.solve_time_s = time.perf_counter() - start
         if plan.predicted_peak > budget:
             return _infeasible(chain, budget, self.name, plan.predicted_peak)
         return plan
