@@ -5,7 +5,7 @@ The executor of Rockmate (ICML 2023, section 5) runs a schedule of the CD-graph
 
 - ``forward_phase(s, *inputs)``: every operation before ``Compute("loss")``, then the buffer
   updates of the step; returns the model's outputs (detached);
-- ``backward_phase(s, grad_outputs)``: the gradients of the outputs, then every operation after
+- ``backward_phase(s)``: the gradients of the outputs (``s.grad_outputs``), then every operation after
   the loss.
 
 ``s`` is the state of one training step (:class:`exec.runtime.StepState`); every value that a
@@ -32,10 +32,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from rkgb.simplify import SimplifiedGraph, SimplifiedNode
+from rkgb.interpret import tensor_args
+from rkgb.simplify import SimplifiedGraph, SimplifiedNode, gradient_needs
 from solvers.schedule import Compute, Forget, Schedule
 
-__all__ = ["GeneratedCode", "ScheduleError", "NodeInfo", "node_infos", "generate"]
+__all__ = ["GeneratedCode", "MARKER_PREFIX", "ScheduleError", "NodeInfo", "node_infos", "generate"]
+
+
+MARKER_PREFIX = "rockmate:op:"  # profiler ranges of schedule operations (markers=True)
 
 
 class ScheduleError(ValueError):
@@ -62,49 +66,20 @@ class NodeInfo:
     updates: dict[str, str]
 
 
-def _floating(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
-
-
-_aten = torch.ops.aten
-# allocations shaped like their argument, whose results never require grad
-_NO_GRADIENT = {
-    _aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default,
-    _aten.full_like.default, _aten.rand_like.default, _aten.randn_like.default,
-}
-
-
 def node_infos(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) -> dict[str, NodeInfo]:
-    """Static information on every node, given which globals (placeholder names) require grad.
-
-    A node requires grad when one of its lines reads a global that requires grad or the data of
-    a node that requires grad, it has a floating-point output, and its main op is not an
-    allocation like ``empty_like`` (the noise of a dropout on CPU), which autograd never
-    differentiates.
-    """
+    """Static information on every node, given which globals (placeholder names) require grad;
+    which nodes need a backward is :func:`rkgb.simplify.gradient_needs`."""
     infos: dict[str, NodeInfo] = {}
-    owner = graph.owner
+    needs = gradient_needs(graph, global_requires_grad)
     for node in graph.nodes:
-        floating = any(_floating(o.dtype) for o in node.outputs)
-        reads_grad = False
-        for line in node.prelude + [node.main]:
-            for arg in line.all_input_nodes:
-                holder = owner.get(arg.name)
-                if holder in infos:
-                    reads_grad |= infos[holder].requires_grad
-                elif holder is not None:
-                    reads_grad |= global_requires_grad.get(holder, False)
-        requires_grad = reads_grad and floating and node.main.target not in _NO_GRADIENT
         exported = graph.exported(node)
         values = {line.name: line.meta["val"] for line in [node.main] + node.body if line.name in exported}
-        metadata = {name: (tuple(int(d) for d in v.shape), v.dtype) for name, v in values.items()}
-        exported_rg = {name: requires_grad and _floating(v.dtype) for name, v in values.items()}
         infos[node.name] = NodeInfo(
             node=node,
             exported=exported,
-            requires_grad=requires_grad,
-            exported_requires_grad=exported_rg,
-            metadata=metadata,
+            requires_grad=needs[node.name].requires_grad,
+            exported_requires_grad=dict(needs[node.name].exported),
+            metadata={name: (tuple(int(d) for d in v.shape), v.dtype) for name, v in values.items()},
             updates=dict(node.buffer_updates),
         )
     return infos
@@ -153,8 +128,14 @@ class _Generator:
         input_requires_grad: list[bool],
         device: torch.device,
         merged: dict[str, str] | None = None,
+        markers: bool = False,
+        aliased_parameters: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         self.graph = graph
+        # parameters with hooks: the islands read an alias (s.param_<name>) whose gradient the
+        # compiled module returns whole, so that the hooks run once (exec.runtime)
+        self.aliased_parameters = set(aliased_parameters)
+        self.markers = markers  # wrap each schedule operation in a profiler range (exec.timeline)
         # merged islands (exec.merge): a -> b, b reads a's outputs directly, not via leaves
         self.merged = dict(merged or {})
         self.reads_raw = {b: a for a, b in self.merged.items()}
@@ -173,6 +154,12 @@ class _Generator:
         for info in infos.values():
             self.state_names |= set(info.exported)
         self.computed: set[str] = set()  # nodes computed at least once this step
+        # nodes the schedule computes more than once (random ones replay their first numbers)
+        counts: dict[str, int] = {}
+        for op in schedule.ops:
+            if isinstance(op, Compute) and op.node.startswith("fwd_"):
+                counts[op.node[4:]] = counts.get(op.node[4:], 0) + 1
+        self.recomputed = {name for name, count in counts.items() if count > 1}
         self.has_graph: set[str] = set()  # nodes with an unconsumed autograd island
         self.local_values: dict[str, str] = {}  # fx name -> local expression (prelude values)
         self.island_names: dict[str, str] = {}
@@ -185,6 +172,16 @@ class _Generator:
                 taken.add(name)
                 self.island_names[out] = name
         self.buffer_updates: list[tuple[str, str]] = []  # (buffer global, local value)
+        # buffers updated by the step and read by nodes: read from a copy made at the start
+        self.snapshots = {name: f"s.snapshot_{name}" for name in graph.snapshot_buffers()}
+        # leaves whose gradient a GradSink collects: node outputs and inputs that require grad
+        self.sink_names = {name for name, flag in zip(self.input_names, input_requires_grad) if flag}
+        for name, info in infos.items():
+            if name not in self.merged:
+                self.sink_names |= {out for out in info.exported if info.exported_requires_grad[out]}
+        self.position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
+        self.split_aliases: list[str] = []  # aliases of the island being written
+        self.splits: set[str] = set()  # nodes whose island reads a leaf more than once
 
     # -- expressions ---------------------------------------------------------------------
     def bind(self, value: Any, hint: str) -> str:
@@ -196,17 +193,23 @@ class _Generator:
     def ref(self, fx_name: str) -> str:
         if fx_name in self.local_values:
             return self.local_values[fx_name]
+        if fx_name in self.snapshots:
+            return self.snapshots[fx_name]
+        if fx_name in self.aliased_parameters:
+            return f"s.param_{fx_name}"
         if fx_name in self.global_placeholders:
             return fx_name
         if fx_name in self.state_names:
             return f"s.{fx_name}"
         raise ScheduleError(f"the generated code refers to {fx_name!r}, which has no value here")
 
-    def expr(self, value: Any) -> str:
+    def expr(self, value: Any, ref=None) -> str:
+        """Python source for an fx argument; ``ref(node)`` (default: :meth:`ref` of its name)
+        gives the source of a reference to a node."""
         if isinstance(value, torch.fx.Node):
-            return self.ref(value.name)
+            return ref(value) if ref is not None else self.ref(value.name)
         if isinstance(value, (list, tuple)):
-            inner = ", ".join(self.expr(v) for v in value)
+            inner = ", ".join(self.expr(v, ref) for v in value)
             if isinstance(value, tuple):
                 return f"({inner},)" if len(value) == 1 else f"({inner})"
             return f"[{inner}]"
@@ -224,19 +227,52 @@ class _Generator:
             return self.bind(value, "device")
         return self.bind(value, "constant")
 
-    def call(self, fx_node: torch.fx.Node) -> str:
+    def call(self, fx_node: torch.fx.Node, reads: list[str] | None = None) -> str:
+        """Python source of one fx node's operation; ``reads``, when given, is the source of
+        each of its tensor arguments, in order (see :meth:`split_reads`)."""
+        ref = None
+        if reads is not None:
+            sources = iter(reads)
+            ref = lambda _: next(sources)  # noqa: E731 - arguments in traversal order
         target = fx_node.target
         if target is operator.getitem:
-            return f"{self.expr(fx_node.args[0])}[{self.expr(fx_node.args[1])}]"
+            return f"{self.expr(fx_node.args[0], ref)}[{self.expr(fx_node.args[1], ref)}]"
         if isinstance(target, torch._ops.OpOverload):
             namespace = target.namespace
             packet = target._overloadpacket.__name__
             function = f"aten.{packet}.{target._overloadname}" if namespace == "aten" else self.bind(target, "op")
         else:
             function = self.bind(target, getattr(target, "__name__", "function"))
-        args = [self.expr(a) for a in fx_node.args]
-        args += [f"{k}={self.expr(v)}" for k, v in fx_node.kwargs.items()]
+        args = [self.expr(a, ref) for a in fx_node.args]
+        args += [f"{k}={self.expr(v, ref)}" for k, v in fx_node.kwargs.items()]
         return f"{function}({', '.join(args)})"
+
+    def split_reads(self, w: _Writer, node: SimplifiedNode) -> dict[str, list[str]]:
+        """Aliases for the leaves an island reads more than once (see
+        :class:`rkgb.gradsink.UseCollector`): writes one ``use(...)`` line per read and returns,
+        for each line that reads one, the source of each of its tensor arguments."""
+        counts: dict[str, int] = {}
+        for line in node.lines:
+            for arg in tensor_args(line):
+                counts[arg.name] = counts.get(arg.name, 0) + 1
+        split = {name for name, count in counts.items()
+                 if count > 1 and name in self.sink_names and name not in self.local_values}
+        reads: dict[str, list[str]] = {}
+        for line in node.lines:
+            args = tensor_args(line)
+            if not any(arg.name in split for arg in args):
+                continue
+            sources = []
+            for k, arg in enumerate(args):
+                if arg.name in split:
+                    alias = f"{arg.name}_read{len(self.split_aliases)}"
+                    self.split_aliases.append(alias)
+                    w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}))")
+                    sources.append(alias)
+                else:
+                    sources.append(self.ref(arg.name))
+            reads[line.name] = sources
+        return reads
 
     # -- operations ------------------------------------------------------------------------
     def target(self, compute_name: str) -> str:
@@ -257,9 +293,10 @@ class _Generator:
         first = name not in self.computed
         w.comment(f"fwd_{name}" + (" (with grad)" if with_grad else " (no grad)")
                   + ("" if first else ", recomputation"))
-        if node.is_random:
+        replayed = node.is_random and name in self.recomputed
+        if replayed:
             if first:
-                w(f"s.rng_{name} = rng_get()")
+                w(f"s.rng_{name} = rng_get()  # to replay its random numbers when recomputed")
             else:
                 w(f"rng_outer = rng_get(); rng_set(s.rng_{name})")
         w(f"with island({name!r}):" if with_grad else "with no_grad():")
@@ -272,6 +309,8 @@ class _Generator:
             self.local_values.update(self.raw_outputs)
             local_names += self.raw_outputs.values()
         self.raw_outputs = {}
+        self.split_aliases = []
+        reads = self.split_reads(w, node) if with_grad else {}
         for line in node.lines:
             if line.name in info.updates:
                 if not first:
@@ -279,14 +318,18 @@ class _Generator:
                 buffer = self._buffer_global(info.updates[line.name])
                 variable = f"new_{buffer}"
                 self.buffer_updates.append((buffer, variable))
-                w(f"{variable} = {self.call(line)}")
+                w(f"{variable} = {self.call(line, reads.get(line.name))}")
                 continue
-            w(f"{line.name} = {self.call(line)}")
+            w(f"{line.name} = {self.call(line, reads.get(line.name))}")
             self.local_values[line.name] = line.name
             local_names.append(line.name)
         w.indent -= 1
-        if node.is_random and not first:
-            w("rng_set(rng_outer)")
+        if self.split_aliases:
+            w("release_uses()")
+            local_names += self.split_aliases
+            self.splits.add(name)
+        if replayed and not first:
+            w("rng_set(rng_outer); del rng_outer")
         exported = info.exported
         if with_grad:
             # keep only the gradient edges of the island's outputs: holding the outputs
@@ -360,9 +403,19 @@ class _Generator:
             islands = self.tuple(f"s.{self.island_names[o]}" for o in outs)
             grads = self.tuple(f"s.{o}.grad" for o in outs)
             w(f"backward_edges({islands}, {grads})")
+        if self.splits & self.merged_chain(name):
+            w("flush_uses()  # contributions of reads of one leaf, in eager's order")
         for out in outs:
             w(f"s.{self.island_names[out]} = None")
         self.has_graph.discard(name)
+
+    def merged_chain(self, name: str) -> set[str]:
+        """``name`` and the nodes merged into its island (whose backwards its backward runs)."""
+        chain = {name}
+        while name in self.reads_raw:
+            name = self.reads_raw[name]
+            chain.add(name)
+        return chain
 
     def forget(self, w: _Writer, data_node: str) -> None:
         name, _, kind = data_node.rpartition(".")
@@ -390,7 +443,8 @@ class _Generator:
     def shared_parameters(self) -> list[str]:
         """Parameters read by more than one node (directly or through views)."""
         readers = self.graph.readers()
-        return [name for name in self.graph.captured.parameters if len(readers.get(name, ())) > 1]
+        return [name for name in self.graph.captured.parameters
+                if len(readers.get(name, ())) > 1 and name not in self.aliased_parameters]
 
     # -- phases ----------------------------------------------------------------------------
     def header(self, w: _Writer) -> None:
@@ -398,6 +452,7 @@ class _Generator:
         w("island, finish_island = saved.island, saved.finish_island")
         w("register_data, unregister_data = saved.register_data, saved.unregister_data")
         w("free_phantoms = saved.free_phantoms")
+        w("use, release_uses, flush_uses = s.uses.alias, s.uses.release, s.uses.flush")
 
     def generate(self) -> str:
         ops = self.schedule.ops
@@ -408,7 +463,16 @@ class _Generator:
         w('"""The forward phase of the schedule; returns the outputs (detached)."""')
         self.header(w)
         for name, requires_grad in zip(self.input_names, self.input_requires_grad):
-            w(f"s.{name} = {name}.detach().requires_grad_()" if requires_grad else f"s.{name} = {name}")
+            if requires_grad:
+                w(f"s.{name} = {name}.detach().requires_grad_(); s.sink_{name} = grad_sink(s.{name})")
+            else:
+                w(f"s.{name} = {name}")
+        for name in sorted(self.aliased_parameters):
+            w(f"s.param_{name} = {name}.detach().requires_grad_(); s.sink_param_{name} = grad_sink(s.param_{name})")
+        if self.snapshots:
+            w.comment("buffers the step updates, as they are before it (recomputations read these)")
+            for name, snapshot in self.snapshots.items():
+                w(f"{snapshot} = {name}.clone()")
         if self.graph.global_views:
             w.comment("views of parameters, buffers and inputs")
             for line in self.graph.global_views:
@@ -416,14 +480,16 @@ class _Generator:
         if self.graph.buffer_updates_prologue:
             w.comment("buffer updates computed from buffers alone (once per step)")
             for line in self.graph.buffer_updates_prologue:
-                w(f"{line.name} = {self.call(line)}")
-                self.local_values[line.name] = line.name
+                # a name of its own: nodes' preludes may recompute the same static line
+                local = f"prologue_{line.name}"
+                w(f"{local} = {self.call(line)}")
+                self.local_values[line.name] = local
             for name, path in self.graph.captured.buffer_mutations.items():
-                if any(line.name == name for line in self.graph.buffer_updates_prologue):
-                    self.buffer_updates.append((self._buffer_global(path), name))
+                if name in self.local_values:
+                    self.buffer_updates.append((self._buffer_global(path), self.local_values[name]))
             self.local_values = {}
-        for op in ops[:loss]:
-            self.operation(w, op, forward_phase=True)
+        for index, op in enumerate(ops[:loss]):
+            self.operation(w, op, index, forward_phase=True)
         if self.buffer_updates:
             w.comment("new values of the buffers, once per step (never on recomputation)")
             w("with no_grad():")
@@ -439,7 +505,7 @@ class _Generator:
         forward_source = [head] + w.lines
 
         w = _Writer()
-        w('"""The backward phase of the schedule, from the gradients of the outputs."""')
+        w('"""The backward phase of the schedule, from the gradients of the outputs (s.grad_outputs)."""')
         self.header(w)
         shared = self.shared_parameters()
         if shared:
@@ -448,16 +514,29 @@ class _Generator:
             for name in shared:
                 w(f"s.stash_{name} = stash_grad({name})")
         w.comment("loss: the gradients of the outputs")
-        w("backward_outputs(s.outputs, grad_outputs)")
-        w("s.outputs = None")
-        for op in ops[loss + 1:]:
-            self.operation(w, op, forward_phase=False)
+        if self.markers:
+            w(f"with mark('{MARKER_PREFIX}{loss}'):")
+            w("    backward_outputs(s.outputs, s.grad_outputs)")
+        else:
+            w("backward_outputs(s.outputs, s.grad_outputs)")
+        w("s.outputs = s.grad_outputs = None")
+        for index, op in enumerate(ops[loss + 1:], start=loss + 1):
+            self.operation(w, op, index, forward_phase=False)
         for name in shared:
             w(f"restore_grad({name}, s.stash_{name})")
-        backward_source = ["def backward_phase(s, grad_outputs):"] + w.lines
+        backward_source = ["def backward_phase(s):"] + w.lines
         return "\n".join(forward_source) + "\n\n\n" + "\n".join(backward_source) + "\n"
 
-    def operation(self, w: _Writer, op, forward_phase: bool) -> None:
+    def operation(self, w: _Writer, op, index: int, forward_phase: bool) -> None:
+        if self.markers:
+            w(f"with mark('{MARKER_PREFIX}{index}'):")
+            w.indent += 1
+            self._operation(w, op, forward_phase)
+            w.indent -= 1
+        else:
+            self._operation(w, op, forward_phase)
+
+    def _operation(self, w: _Writer, op, forward_phase: bool) -> None:
         if isinstance(op, Forget):
             self.forget(w, op.node)
         elif isinstance(op, Compute):
@@ -484,6 +563,8 @@ def generate(
     runtime_globals: dict[str, Any],
     device: torch.device | str = "cpu",
     merged: dict[str, str] | None = None,
+    markers: bool = False,
+    aliased_parameters: set[str] | frozenset[str] = frozenset(),
 ) -> GeneratedCode:
     """Generate, compile and register (in ``linecache``) the code of ``schedule``.
 
@@ -491,12 +572,15 @@ def generate(
     see :mod:`exec.runtime`). Parameters, buffers and constants are globals named after their
     placeholders; the caller binds their tensors (:func:`bind_globals`). ``merged`` (``a ->
     b``, from :func:`exec.merge.plan_merges`): nodes whose island ``b``'s includes.
+    ``markers``: run each schedule operation ``i`` inside ``mark("rockmate:op:<i>")`` (a
+    ``torch.profiler.record_function``), for :mod:`exec.timeline`.
 
     Raises:
         ScheduleError: the schedule names an unknown node, or runs a backward without an
             autograd graph.
     """
-    generator = _Generator(graph, schedule, infos, input_requires_grad, torch.device(device), merged)
+    generator = _Generator(graph, schedule, infos, input_requires_grad, torch.device(device), merged, markers,
+                           aliased_parameters)
     source = generator.generate()
     filename = _fresh_filename()
     namespace = dict(generator.globals)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from solvers.schedule import Compute, Forget, Operation, Schedule
 from solvers.simulate import simulate
 
-__all__ = ["merge_candidates", "without_shared_reads", "plan_merges", "executed_order"]
+__all__ = ["merge_candidates", "without_shared_reads", "plan_merges", "executed_order", "executed_positions"]
 
 
 def merge_candidates(graph, infos) -> dict[str, str]:
@@ -80,30 +80,35 @@ def executed_order(schedule: Schedule, merged: dict[str, str]) -> Schedule:
     """The order in which a schedule really runs with ``merged`` islands (``a -> b``): the
     backwards of a merged chain run together at its last node's ``bwd``, and the forgets
     that the schedule placed between them take effect after the whole chain."""
+    return Schedule([schedule.ops[i] for i in executed_positions(schedule, merged)])
+
+
+def executed_positions(schedule: Schedule, merged: dict[str, str]) -> list[int]:
+    """:func:`executed_order` as positions in ``schedule.ops``."""
     absorbed_by = {f"bwd_{b}": f"bwd_{a}" for a, b in merged.items()}
     ops = schedule.ops
-    out: list[Operation] = []
+    out: list[int] = []
     i = 0
     while i < len(ops):
         op = ops[i]
         if isinstance(op, Compute) and op.node in absorbed_by:
-            deferred: list[Operation] = []
-            out.append(op)
+            deferred: list[int] = []
+            out.append(i)
             node = op.node
             i += 1
             while node in absorbed_by:
                 while isinstance(ops[i], Forget):
-                    deferred.append(ops[i])
+                    deferred.append(i)
                     i += 1
                 assert ops[i].node == absorbed_by[node]  # checked by _fits_schedule
-                out.append(ops[i])
+                out.append(i)
                 node = ops[i].node
                 i += 1
             out += deferred
             continue
-        out.append(op)
+        out.append(i)
         i += 1
-    return Schedule(out)
+    return out
 
 
 def without_shared_reads(graph, merges: dict[str, str]) -> dict[str, str]:

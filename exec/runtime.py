@@ -19,7 +19,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
-from rkgb.gradsink import GradSink
+from rkgb.gradsink import GradSink, UseCollector, accumulate
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
 from solvers.schedule import Schedule
@@ -39,6 +39,7 @@ class StepState:
 
     def __init__(self, saved: SavedTensors) -> None:
         self.saved = saved
+        self.uses = UseCollector()
 
 
 # -- helpers called by the generated code ---------------------------------------------------
@@ -111,18 +112,95 @@ def _rng_helpers(device: torch.device):
     return torch.get_rng_state, torch.set_rng_state
 
 
-class _ScheduleFunction(torch.autograd.Function):
-    """``forward``: the forward phase; ``backward``: the backward phase (reentrant)."""
+class _ParameterCollector:
+    """Takes a parameter's gradient contributions instead of its ``AccumulateGrad`` node, for a
+    backward that must not accumulate them into ``.grad`` (``torch.autograd.grad(loss, params)``
+    returns them instead, ``backward(inputs=...)`` leaves them out): a prehook on the node adds
+    them up as eager's ``InputBuffer`` would (:func:`rkgb.gradsink.accumulate`), and the compiled
+    module's backward returns the sum to the engine, which uses it as eager's engine would."""
+
+    def __init__(self, parameter: torch.Tensor) -> None:
+        self.grad: torch.Tensor | None = None
+        self.owned = False
+        self.handle = get_gradient_edge(parameter).node.register_prehook(self)
+
+    def __call__(self, grad_outputs):
+        if grad_outputs[0] is not None:
+            self.grad, self.owned = accumulate(self.grad, self.owned, grad_outputs[0])
+        return (None,)
+
+
+def _engine_accumulates_into(parameter: torch.Tensor) -> bool:
+    """Whether the running backward accumulates into ``parameter.grad`` (``loss.backward()``),
+    or not (``torch.autograd.grad``, ``backward(inputs=...)`` without it)."""
+    try:
+        return torch._C._will_engine_execute_node(get_gradient_edge(parameter).node)
+    except RuntimeError:  # the engine raises for a leaf while it runs torch.autograd.grad()
+        return False
+
+
+_SECOND_BACKWARD = (
+    "Rockmate: a second backward through one forward of the compiled module (retain_graph=True, or two "
+    "backwards from one loss): the plan frees what it used as the backward goes; run the forward again "
+    "for another backward"
+)
+
+
+class _Handover:
+    """The gradients of one forward's outputs, handed over by :class:`_OutputGate`s."""
+
+    __slots__ = ("grads",)
+
+    def __init__(self, count: int) -> None:
+        self.grads: list[torch.Tensor | None] = [None] * count
+
+
+class _OutputGate(torch.autograd.Function):
+    """The identity on one output of the compiled module, whose backward hands the output's
+    gradient over to the step (:class:`_Handover`) instead of passing it to the engine.
+
+    The engine keeps the gradients it passes to a node until that node's backward returns; for
+    the compiled module, that is the end of the whole backward. Handed over, an output's
+    gradient is the step's alone, freed after its last use, as eager frees it.
+    """
 
     @staticmethod
-    def forward(ctx, runner: "_Runner", *tensors: torch.Tensor):
+    def forward(ctx, output: torch.Tensor, handover: _Handover, index: int):
+        ctx.handover, ctx.index = handover, index
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.handover is None:
+            raise RuntimeError(_SECOND_BACKWARD)
+        ctx.handover.grads[ctx.index] = grad
+        ctx.handover = None
+        return None, None, None
+
+
+class _ScheduleFunction(torch.autograd.Function):
+    """``forward``: the forward phase; ``backward``: the backward phase (reentrant).
+
+    The islands' backwards accumulate the parameters' gradients into ``.grad`` as they go, as
+    eager's ``AccumulateGrad`` would at the end; where the running backward does not accumulate
+    into a parameter, its contributions are collected and returned to the engine instead
+    (:class:`_ParameterCollector`), and so are those of a parameter with hooks, read through an
+    alias of its own in the islands (its hooks run once, on the whole gradient, as in eager).
+    """
+
+    @staticmethod
+    def forward(ctx, runner: "_Runner", handover: _Handover, *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)
         state = runner.new_state()
         inputs = tensors[: runner.input_count]
         with torch.enable_grad():
             outputs = runner.code.forward_phase(state, *inputs)
+        # outputs that do not require grad in the model (computed from inputs alone) do not here
+        ctx.mark_non_differentiable(*[out for out, held in zip(outputs, state.outputs) if not held.requires_grad])
         ctx.state = state
         ctx.runner = runner
+        ctx.handover = handover
+        ctx.parameters = tensors[runner.input_count:]
         return outputs
 
     @staticmethod
@@ -130,29 +208,51 @@ class _ScheduleFunction(torch.autograd.Function):
         state, runner = ctx.state, ctx.runner
         ctx.state = None
         if state is None:
+            raise RuntimeError(_SECOND_BACKWARD)
+        if torch.is_grad_enabled():
             raise RuntimeError(
-                "Rockmate: backward through the compiled module ran twice; the schedule frees "
-                "what it used (retain_graph=True is not supported)"
+                "Rockmate: backward with create_graph=True (gradients of gradients) is not supported: each "
+                "node's graph is freed when its backward ends; compute higher-order gradients on the model itself"
             )
-        with torch.enable_grad():
-            runner.code.backward_phase(state, grad_outputs)
-        grads = [None]  # the runner
+        parameters = ctx.parameters
+        collectors = {
+            i: _ParameterCollector(p) for i, p in enumerate(parameters)
+            if p.requires_grad and i not in runner.aliased_parameters and not _engine_accumulates_into(p)
+        }
+        # the outputs' gradients come from their gates (the engine passes None here)
+        state.grad_outputs, ctx.handover.grads, ctx.handover = ctx.handover.grads, None, None
+        try:
+            with torch.enable_grad():
+                runner.code.backward_phase(state)
+        finally:
+            for collector in collectors.values():
+                collector.handle.remove()
+        grads = [None, None]  # the runner, the handover
         for name, requires_grad in zip(runner.input_names, runner.input_requires_grad):
             grads.append(getattr(state, name).grad if requires_grad else None)
-        grads += [None] * (len(grad_outputs) * 0 + runner.parameter_count)
+        for i in range(len(parameters)):
+            if i in runner.aliased_parameters:
+                grads.append(getattr(state, runner.aliased_parameters[i]).grad)
+            else:
+                grads.append(collectors[i].grad if i in collectors else None)
         return tuple(grads)
 
 
 class _Runner:
     """Generated code for one pattern of ``requires_grad`` of inputs and parameters."""
 
-    def __init__(self, module: "CompiledModule", input_requires_grad: list[bool], parameter_requires_grad: list[bool]):
+    def __init__(self, module: "CompiledModule", input_requires_grad: list[bool], parameter_requires_grad: list[bool],
+                 hooked: tuple[bool, ...] = (), markers: bool = False):
         graph = module.graph
         captured = graph.captured
         self.input_names = [name for name in captured.inputs if name is not None]
         self.input_count = len(self.input_names)
         self.input_requires_grad = input_requires_grad
         self.parameter_count = len(module._parameter_refs)
+        # parameters with hooks, read through an alias of their own: index -> state attribute
+        aliased = {name for (name, _, _), flag in zip(module._parameter_refs, hooked) if flag}
+        self.aliased_parameters = {i: f"param_{name}" for i, (name, _, _) in enumerate(module._parameter_refs)
+                                   if name in aliased}
         requires: dict[str, bool] = {}
         for name, flag in zip(self.input_names, input_requires_grad):
             requires[name] = flag
@@ -175,10 +275,12 @@ class _Runner:
             "grad_sink": GradSink,
             "stash_grad": _stash_grad,
             "restore_grad": _restore_grad,
+            "mark": torch.profiler.record_function,
         }
         self.merged = plan_merges(graph, module.schedule, self.infos, module.cdgraph, module.peak_limit) if module.merge_islands else {}
         self.code: GeneratedCode = generate(
-            graph, module.schedule, self.infos, input_requires_grad, helpers, module.device, self.merged
+            graph, module.schedule, self.infos, input_requires_grad, helpers, module.device, self.merged, markers,
+            aliased_parameters=aliased,
         )
         self.module = module
 
@@ -237,20 +339,20 @@ class CompiledModule(nn.Module):
         self._parameter_refs = [(name, *self._owner_of(path)) for name, path in captured.parameters.items()]
         self._buffer_refs = [(name, *self._owner_of(path)) for name, path in captured.buffers.items()]
         self._runners: dict[tuple, _Runner] = {}
-        self._runner(
-            [bool(t.requires_grad) for t in tensors],
-            [bool(getattr(m, a).requires_grad) for _, m, a in self._parameter_refs],
-        )
+        # run each schedule operation inside a profiler range (exec.timeline), off by default
+        self.markers = False
+        self.runner_for(sample)  # the code of the sample's pattern, generated now
 
     def _owner_of(self, path: str) -> tuple[nn.Module, str]:
         module_path, _, attribute = path.rpartition(".")
         return self.model.get_submodule(module_path), attribute
 
-    def _runner(self, input_requires_grad: list[bool], parameter_requires_grad: list[bool]) -> _Runner:
-        key = (tuple(input_requires_grad), tuple(parameter_requires_grad))
+    def _runner(self, input_requires_grad: list[bool], parameter_requires_grad: list[bool],
+                hooked: tuple[bool, ...] = (), markers: bool = False) -> _Runner:
+        key = (tuple(input_requires_grad), tuple(parameter_requires_grad), tuple(hooked), markers)
         runner = self._runners.get(key)
         if runner is None:
-            runner = self._runners[key] = _Runner(self, input_requires_grad, parameter_requires_grad)
+            runner = self._runners[key] = _Runner(self, input_requires_grad, parameter_requires_grad, hooked, markers)
         return runner
 
     def _global_tensors(self) -> list[torch.Tensor]:
@@ -286,17 +388,29 @@ class CompiledModule(nn.Module):
                     f"{expected!r}; Rockmate must be rebuilt for new non-tensor inputs"
                 )
 
+    def runner_for(self, args: tuple) -> _Runner:
+        """The generated code that a call with ``args`` runs (one per pattern of requires_grad)."""
+        tensors = [value for value in args if isinstance(value, torch.Tensor)]
+        parameters = [getattr(m, a) for _, m, a in self._parameter_refs]
+        hooked = tuple(p.requires_grad and bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
+                       for p in parameters)
+        return self._runner(
+            [bool(t.requires_grad) for t in tensors], [bool(p.requires_grad) for p in parameters], hooked, self.markers
+        )
+
     def forward(self, *args):
         if not (self.training and self.model.training and torch.is_grad_enabled()):
             return self.model(*args)
         self._check_inputs(args)
         tensors = [value for value in args if isinstance(value, torch.Tensor)]
         parameters = [getattr(m, a) for _, m, a in self._parameter_refs]
-        runner = self._runner(
-            [bool(t.requires_grad) for t in tensors], [bool(p.requires_grad) for p in parameters]
-        )
+        runner = self.runner_for(args)
         self._bind_globals(runner)
-        outputs = _ScheduleFunction.apply(runner, *tensors, *parameters)
+        handover = _Handover(len(self.graph.outputs))
+        outputs = list(_ScheduleFunction.apply(runner, handover, *tensors, *parameters))
+        for i, output in enumerate(outputs):
+            if output.requires_grad:
+                outputs[i] = _OutputGate.apply(output, handover, i)
         if self.graph.captured.output_is_tuple:
             return tuple(outputs)
         return outputs[0]

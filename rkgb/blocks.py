@@ -1,10 +1,19 @@
 """Cut the simplified graph into a chain of blocks at 1-separators; group identical blocks.
 
 A *1-separator* is a simplified node ``s`` such that no edge jumps over it: every node before
-``s`` (in the graph's order) is used only by nodes up to ``s``, and the model's outputs are
-``s`` or come after it. Edges from globals (parameters, buffers, model inputs) do not count:
-globals are always available. Blocks are the pieces ending at consecutive separators, so the
-input of a block is the previous block's last node (Rockmate, ICML 2023, section 4).
+``s`` (in the graph's order) is used only by nodes up to ``s``. Edges from globals (parameters,
+buffers, model inputs) do not count: globals are always available. Blocks are the pieces
+ending at consecutive separators, so the input of a block is the previous block's last node
+(Rockmate, ICML 2023, section 4).
+
+The chain's semantics ask two more things of a separator that ends a block before the last:
+
+- the model's outputs all come after it. The user holds every output until the backward, and
+  the loss gives each its gradient: only the last block's outputs are held and receive one
+  (an output in an earlier block would be forgotten, and its gradient from the loss lost);
+- it is read by a later node: the next block's input is the separator, and a node that nothing
+  reads (an unused dropout, kept because it draws random numbers) would make an input that no
+  node of that block reads, while the nodes it replaces go unlinked.
 
 Identical blocks (a transformer's layers) are recognized by an anonymized signature: the
 sequence of operations with their constant arguments and tensor shapes, where references to
@@ -19,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from .simplify import SimplifiedGraph
+from .simplify import GradientNeeds, SimplifiedGraph
 
 __all__ = ["Block", "BlockClass", "Chain", "find_separators", "cut_chain"]
 
@@ -61,25 +70,25 @@ class Chain:
 
 
 def _edges(graph: SimplifiedGraph) -> list[tuple[int, int]]:
-    """(position of producer, position of consumer); the outputs' consumer is position N."""
+    """(position of producer, position of consumer) of every data edge between nodes."""
     position = {node.name: i for i, node in enumerate(graph.nodes)}
-    sink = len(graph.nodes)
-    edges = [(position[dep], position[node.name]) for node in graph.nodes for dep in node.data_deps]
-    users = graph.users()
-    output_owners = set(graph.output_owners)
-    for node in graph.nodes:
-        if node.name in output_owners or not users[node.name]:
-            edges.append((position[node.name], sink))
-    return edges
+    return [(position[dep], position[node.name]) for node in graph.nodes for dep in node.data_deps]
 
 
 def find_separators(graph: SimplifiedGraph) -> list[str]:
-    """Names of the 1-separators of the simplified graph, in order.
+    """Names of the 1-separators of the simplified graph, in order (see the module docstring);
+    the last node is always one.
 
     Linear time: each edge marks the positions strictly between its ends as jumped over
-    (a difference array), and the separators are the positions never jumped over.
+    (a difference array), and the separators are the positions never jumped over, before the
+    first output and read by a later node.
     """
     count = len(graph.nodes)
+    if count == 0:
+        return []
+    position = {node.name: i for i, node in enumerate(graph.nodes)}
+    first_output = min((position[o] for o in graph.output_owners), default=count)
+    users = graph.users()
     jumps = [0] * (count + 2)
     for start, end in _edges(graph):
         if end > start + 1:
@@ -87,10 +96,10 @@ def find_separators(graph: SimplifiedGraph) -> list[str]:
             jumps[end] -= 1
     separators = []
     running = 0
-    for i in range(count):
+    for i, node in enumerate(graph.nodes):
         running += jumps[i]
-        if running == 0:
-            separators.append(graph.nodes[i].name)
+        if i == count - 1 or (running == 0 and i < first_output and users[node.name]):
+            separators.append(node.name)
     return separators
 
 
@@ -114,8 +123,9 @@ def _constant_token(value):
     return repr(value)
 
 
-def block_signature(graph: SimplifiedGraph, block: Block) -> tuple:
-    """The block's anonymized form: equal signatures mean identical CD-graphs."""
+def block_signature(graph: SimplifiedGraph, block: Block, needs: dict[str, GradientNeeds] | None = None) -> tuple:
+    """The block's anonymized form: equal signatures mean identical CD-graphs (the same
+    operations, and the same tensors getting gradients: ``needs``)."""
     lines: list[torch.fx.Node] = []
     for name in block.nodes:
         lines += graph.node(name).lines
@@ -141,11 +151,14 @@ def block_signature(graph: SimplifiedGraph, block: Block) -> tuple:
         (len(graph.node(name).prelude), len(graph.node(name).body)) for name in block.nodes
     )
     outputs = tuple(block.nodes.index(name) for name in block.output_nodes)
-    return (tuple(tokens), structure, outputs, block.input_node is None)
+    names = block.nodes + ([block.input_node] if block.input_node is not None else [])
+    gradients = tuple(tuple(needs[name].exported.values()) for name in names) if needs is not None else ()
+    return (tuple(tokens), structure, outputs, block.input_node is None, gradients)
 
 
-def cut_chain(graph: SimplifiedGraph) -> Chain:
-    """Cut at the separators and group identical blocks into classes."""
+def cut_chain(graph: SimplifiedGraph, needs: dict[str, GradientNeeds] | None = None) -> Chain:
+    """Cut at the separators and group identical blocks into classes (``needs``: which tensors
+    get gradients, :func:`rkgb.simplify.gradient_needs`; blocks differing there differ)."""
     separators = set(find_separators(graph))
     blocks: list[Block] = []
     current: list[str] = []
@@ -156,15 +169,13 @@ def cut_chain(graph: SimplifiedGraph) -> Chain:
             blocks.append(Block(len(blocks), current, previous, [node.name]))
             previous = node.name
             current = []
-    if current:
-        blocks.append(Block(len(blocks), current, previous, [n for n in graph.output_owners if n in current]))
-    last = blocks[-1]
-    last.output_nodes = [n for n in graph.output_owners if n in last.nodes] or last.output_nodes
+    if blocks:  # the last block holds every output (find_separators)
+        blocks[-1].output_nodes = list(graph.output_owners)
 
     classes: list[BlockClass] = []
     by_signature: dict[tuple, BlockClass] = {}
     for block in blocks:
-        signature = block_signature(graph, block)
+        signature = block_signature(graph, block, needs)
         found = by_signature.get(signature)
         if found is None:
             found = BlockClass(len(classes), [])

@@ -5,15 +5,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from .blocks import INPUT_NAME, Chain, cut_chain
-from .capture import CapturedGraph, capture
-from .cdgraph import CDGraph, ComputeKind, ComputeNode, DataKind, DataNode, ModelChain, BlockInstance
+from .capture import CapturedGraph, as_input_tuple, capture, device_of
+from .cdgraph import BlockInstance, CDGraph, ComputeKind, ComputeNode, DataKind, DataNode, FirstRun, ModelChain
 from .cdgraph import compute_name as cname
 from .cdgraph import data_name as dname
-from .inspect import BlockMeasure, inspect_chain
-from .simplify import SimplifiedGraph, simplify
+from .inspect import BlockMeasure, gradient_layouts, inspect_chain
+from .interpret import global_requires_grad
+from .simplify import SimplifiedGraph, gradient_needs, simplify
 
 __all__ = ["ModelGraphs", "build", "cdgraph_of_class"]
 
@@ -151,6 +153,41 @@ def _drop_lasting_aliases(backwards: list[ComputeNode], input_grad: str) -> None
             del c.aliases[input_grad]
 
 
+def held_bytes(graph: SimplifiedGraph, model: nn.Module) -> int:
+    """The memory the executor holds through a step besides the nodes' data (see
+    :class:`rkgb.cdgraph.ModelChain`): copies of the buffers the step updates and nodes read
+    (:meth:`SimplifiedGraph.snapshot_buffers`)."""
+    return sum(model.get_buffer(graph.captured.buffers[name]).untyped_storage().nbytes()
+               for name in graph.snapshot_buffers())
+
+
+def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, tuple[FirstRun, ...]]:
+    """What compute nodes allocate at their first run and the executor keeps to the end of the
+    step (:class:`rkgb.cdgraph.ModelChain`): the generator state of a random node (on CPU; on
+    CUDA the states are host memory), the gradient of a model input that requires grad, made
+    by the first backward (in the backward's order) of a node reading it."""
+    args = as_input_tuple(sample)
+    result: dict[str, list[FirstRun]] = {}
+    if device_of(model, args).type == "cpu":
+        state = torch.get_rng_state().nbytes
+        for node in graph.nodes:
+            if node.is_random:
+                result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
+                    FirstRun(f"{node.name}.rng", state, only_if_rerun=True))
+    readers = graph.readers()
+    for name, value in zip(graph.captured.inputs, args):
+        if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
+            continue
+        size = value.numel() * value.element_size()
+        for reader in readers.get(name, ()):  # views of the input included (their owner is it)
+            result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(FirstRun(f"{name}.grad", size))
+        # an output that is the input (or a view of it): the gradient the loss gives it is the
+        # input's first
+        if any(graph.owner.get(output) == name for output in graph.outputs):
+            result.setdefault("loss", []).append(FirstRun(f"{name}.grad", size))
+    return {name: tuple({entry.key: entry for entry in entries}.values()) for name, entries in result.items()}
+
+
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3) -> ModelGraphs:
     """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
 
@@ -166,14 +203,21 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     seconds["capture"] = time.perf_counter() - clock
     clock = time.perf_counter()
     simplified = simplify(captured)
-    chain = cut_chain(simplified)
+    # which tensors a backward from the outputs reaches (and the layouts of their gradients)
+    layouts = gradient_layouts(simplified, model, sample)
+    simplified.gradient_receivers = None if layouts is None else set(layouts)
+    chain = cut_chain(simplified, gradient_needs(simplified, global_requires_grad(simplified, model, sample)))
     seconds["simplify_and_cut"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    measures = inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats)
+    measures = inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats,
+                             layouts=layouts or {})
     seconds["inspect"] = time.perf_counter() - clock
     clock = time.perf_counter()
     classes = [cdgraph_of_class(m) for m in measures]
     instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
-    model_chain = ModelChain(classes=classes, blocks=instances)
+    model_chain = ModelChain(classes=classes, blocks=instances, held_bytes=held_bytes(simplified, model))
+    computes = {c.name for c in model_chain.whole_graph().compute_nodes}
+    model_chain.first_run_bytes = {name: entries for name, entries in first_run_bytes(simplified, model, sample).items()
+                                   if name in computes}  # the backwards of nodes without grad do not run
     seconds["cdgraph"] = time.perf_counter() - clock
     return ModelGraphs(captured, simplified, chain, measures, model_chain, seconds)

@@ -27,6 +27,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch._inductor.config  # noqa: F401 - fallback_random, see capture()
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -90,7 +91,8 @@ def restore_dropout(graph: torch.fx.Graph, device: torch.device, renamed: dict[s
         value = node.meta["val"][0]
         with graph.inserting_before(node):
             if device.type == "cpu" and 0 < p < 1 and value.numel() > 0:
-                dropout = _cpu_dropout(graph, x, p, value)
+                # an unused dropout only draws its random numbers, as eager's does
+                dropout = _cpu_dropout(graph, x, p, value, draw_only=not users)
             else:
                 dropout = graph.call_function(torch.ops.aten.dropout.default, (x, p, True))
         dropout.meta = dict(node.meta)
@@ -107,14 +109,15 @@ def restore_dropout(graph: torch.fx.Graph, device: torch.device, renamed: dict[s
     return replaced
 
 
-def _cpu_dropout(graph: torch.fx.Graph, x: torch.fx.Node, p: float, value) -> torch.fx.Node:
+def _cpu_dropout(graph: torch.fx.Graph, x: torch.fx.Node, p: float, value, draw_only: bool = False) -> torch.fx.Node:
     """Eager's CPU dropout (ATen's ``_dropout_impl``: ``noise = empty_like(x)``,
     ``noise.bernoulli_(1 - p)``, ``noise.div_(1 - p)``, ``x * noise``), with the random draw
     made into a one-byte mask first: ``bernoulli_`` draws the same numbers whatever the
     tensor's dtype (tested), and ``mask.to(dtype)`` is exactly eager's 0/1 noise before
     ``div_``. The mask is ``uint8``, not ``bool``: its conversion to float is about eight
     times faster on CPU. It is what a plan keeps (a quarter of the float noise) to rebuild the
-    noise without drawing again. Returns the product."""
+    noise without drawing again. Returns the product, or the drawn mask when ``draw_only``
+    (a dropout whose result is unused: only its draw matters, for the later ones')."""
     aten = torch.ops.aten
     x_value = x.meta["val"]
     with value.fake_mode:
@@ -129,6 +132,8 @@ def _cpu_dropout(graph: torch.fx.Graph, x: torch.fx.Node, p: float, value) -> to
 
     mask = line(aten.empty_like.default, (x,), "dropout_mask", mask_value, {"dtype": torch.uint8})
     mask = line(aten.bernoulli_.float, (mask, keep), "dropout_mask_drawn", mask_value)
+    if draw_only:
+        return mask
     noise = line(aten._to_copy.default, (mask,), "dropout_noise", noise_value, {"dtype": x_value.dtype})
     noise = line(aten.div_.Scalar, (noise, keep), "dropout_noise_scaled", noise_value)
     return graph.create_node("call_function", aten.mul.Tensor, (x, noise), name="dropout")
@@ -143,6 +148,35 @@ def device_of(model: nn.Module, args: tuple) -> torch.device:
     return torch.device("cpu")
 
 
+def _check_no_module_hooks(model: nn.Module) -> None:
+    """Raise :class:`CaptureError` if a module has forward or backward hooks.
+
+    The compiled module runs the captured graph, never the modules' ``forward`` methods: a hook
+    would run once during capture, on fake tensors, and never while training.
+    """
+    from torch.nn.modules import module as nn_module
+
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    for kind in kinds:
+        if getattr(nn_module, f"_global{kind}", None):
+            raise CaptureError(
+                f"global module {kind[1:].replace('_', ' ')} are registered (torch.nn.modules.module."
+                f"register_module_{kind[1:-1]}): Rockmate runs the captured graph, not the modules' forward "
+                "methods, so they would never be called while training; remove them before Rockmate(...)"
+            )
+    for path, module in model.named_modules():
+        for kind in kinds:
+            if getattr(module, kind, None):
+                where = f"module {path!r} ({type(module).__name__})" if path else f"the model ({type(module).__name__})"
+                raise CaptureError(
+                    f"{where} has {kind[1:].replace('_', ' ')}: Rockmate runs the captured graph, not the "
+                    "modules' forward methods, so the hooks would run once during capture, on fake tensors, and "
+                    "never while training. Remove them before Rockmate(...) (compute what they record inside "
+                    "forward and return it; for weight normalization use "
+                    "torch.nn.utils.parametrizations.weight_norm, which has no hooks)"
+                )
+
+
 def capture(model: nn.Module, sample) -> CapturedGraph:
     """Export ``model`` on ``sample`` (non-strict) and functionalize the graph.
 
@@ -151,8 +185,11 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             torch's reason, which points at the user's source line.
     """
     args = as_input_tuple(sample)
+    _check_no_module_hooks(model)
     try:
-        with warnings.catch_warnings():
+        # random ops whose results are unused still advance the generator in eager: the
+        # export's dead-code elimination keeps them only when told that randomness is an effect
+        with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True):
             warnings.simplefilter("ignore", FutureWarning)
             exported = torch.export.export(model, args, strict=False)
             exported = exported.run_decompositions({})

@@ -50,6 +50,7 @@ __all__ = [
     "ComputeNode",
     "CDGraph",
     "CDGraphError",
+    "FirstRun",
     "BlockInstance",
     "ModelChain",
     "data_name",
@@ -312,6 +313,18 @@ class CDGraph:
                     )
 
 
+@dataclass(frozen=True)
+class FirstRun:
+    """Memory that a compute node allocates at its first run and the executor keeps to the end
+    of the step (``ModelChain.first_run_bytes``), shared by the nodes with the same ``key``.
+    ``only_if_rerun``: allocated only when the node runs again later (the generator state of
+    a random node, saved to replay it)."""
+
+    key: str
+    bytes: int
+    only_if_rerun: bool = False
+
+
 @dataclass
 class BlockInstance:
     """One block of the chain: which class it belongs to and how its nodes are named.
@@ -326,10 +339,30 @@ class BlockInstance:
 
 @dataclass
 class ModelChain:
-    """The chain of blocks of a model, with one CD-graph per class of identical blocks."""
+    """The chain of blocks of a model, with one CD-graph per class of identical blocks.
+
+    ``held_bytes``: memory the executor holds through the whole step besides the CD-graphs'
+    data (copies of the buffers the step updates); every plan's peak includes it.
+    ``first_run_bytes``: memory that compute nodes of the whole graph allocate at their first
+    run and the executor keeps to the end of the step (:class:`FirstRun`, by compute node):
+    ``{"fwd_x": (FirstRun("x.rng", bytes, only_if_rerun=True),)}`` for the generator state
+    saved to replay a random node (on CPU; on CUDA states are host memory, outside the
+    device's budget), ``{"bwd_y": (FirstRun("input.grad", bytes),)}`` for the gradient of a
+    model input that ``y`` reads. A later run of a node with that key holds one more while it
+    runs (a replay saves the outer state, an accumulation adds into a new tensor):
+    :func:`solvers.simulate.simulate`.
+    """
 
     classes: list[CDGraph]
     blocks: list[BlockInstance]
+    held_bytes: int = 0
+    first_run_bytes: dict[str, tuple[FirstRun, ...]] = field(default_factory=dict)
+
+    def first_run_reserve(self) -> int:
+        """An upper bound of the first-run memory alive at any time: every key's bytes, plus
+        the largest once more (a replay or an accumulation)."""
+        sizes = {entry.key: entry.bytes for entries in self.first_run_bytes.values() for entry in entries}
+        return sum(sizes.values()) + max(sizes.values(), default=0)
 
     def block_graph(self, index: int) -> CDGraph:
         """The CD-graph of block ``index`` with its real node names."""
@@ -343,6 +376,9 @@ class ModelChain:
         ``i+1``'s input data, and block ``i+1``'s backwards produce block ``i``'s output grads.
         """
         graphs = [self.block_graph(i) for i in range(len(self.blocks))]
+        if not graphs:  # a model without operations of its own (it returns views of its inputs)
+            loss = ComputeNode(LOSS_NAME, ComputeKind.LOSS, LOSS_NAME, time_s=0.0, overhead_bytes=0)
+            return CDGraph(name="model", compute_nodes=[loss], data_nodes=[])
         forwards: list[ComputeNode] = []
         backwards: list[ComputeNode] = []
         data: dict[str, DataNode] = {}

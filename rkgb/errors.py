@@ -29,7 +29,7 @@ def describe_fx_node(node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if stack:
         path = list(stack.values())[-1][0]
-        where.append(f"in module {path!r}")
+        where.append(f"in module {path!r}" if path else "in the model's own forward")
     trace = node.meta.get("stack_trace")
     if trace:
         lines = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File")]

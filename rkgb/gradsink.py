@@ -10,10 +10,12 @@ memory the executor uses.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["GradSink"]
+__all__ = ["GradSink", "UseCollector", "accumulate"]
 
 
 class GradSink:
@@ -30,29 +32,102 @@ class GradSink:
     forgets it.
     """
 
-    __slots__ = ("leaf", "owned", "node", "calls")
+    __slots__ = ("leaf", "owned", "node", "calls", "__weakref__")
 
     def __init__(self, leaf: torch.Tensor) -> None:
         self.leaf = leaf
         self.owned = False
         self.calls = 0  # contributions received (for the inspection)
-        grad_fn = leaf.view_as(leaf).grad_fn
-        self.node = grad_fn.next_functions[0][0] if grad_fn is not None else get_gradient_edge(leaf).node
-        self.node.register_prehook(self)
+        # the sink keeps the leaf's AccumulateGrad alive (the leaf holds it weakly); the node's
+        # hook refers back to the sink weakly: a strong reference would make a cycle through
+        # C++ that only Python's garbage collector frees, so that every step's state (its
+        # outputs' data and gradients) would outlive the step until the next collection
+        self.node = get_gradient_edge(leaf).node
+        sink = weakref.ref(self)
+        self.node.register_prehook(lambda grad_outputs: _deliver(sink, grad_outputs))
 
     def __call__(self, grad_outputs):
         grad = grad_outputs[0]
         if grad is not None:
             self.calls += 1
-            old = self.leaf.grad
-            if old is None:
-                if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
-                    grad = grad.clone()
-                self.leaf.grad = grad
-                self.owned = False
-            elif self.owned:
-                old.add_(grad)
-            else:
-                self.leaf.grad = old + grad
-                self.owned = True
+            self.leaf.grad, self.owned = accumulate(self.leaf.grad, self.owned, grad)
         return (None,)
+
+
+def accumulate(old: torch.Tensor | None, owned: bool, grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Add ``grad`` to a gradient as eager's ``InputBuffer`` does; returns the new gradient and
+    whether it is a tensor of our own (a sum), which later contributions are added into.
+
+    The first contribution is kept as it is (a copy only when it is a slice of a bigger storage,
+    so that it does not hold the whole), the second is added out of place (``old + grad``, a new
+    tensor), later ones in place.
+    """
+    if old is None:
+        if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+            grad = grad.clone()
+        return grad, False
+    if owned:
+        return old.add_(grad), True
+    return old + grad, True
+
+
+def _deliver(sink: "weakref.ref[GradSink]", grad_outputs):
+    """The prehook of a sink's ``AccumulateGrad``: the sink takes the gradient, the node
+    accumulates nothing."""
+    target = sink()
+    if target is not None:
+        target(grad_outputs)
+    return (None,)
+
+
+class UseCollector:
+    """Gives each read of a leaf inside one island its own alias, and hands the gradient
+    contributions of those reads to the leaf's :class:`GradSink` one by one, in eager's order.
+
+    Eager PyTorch adds every contribution to a tensor's gradient into one buffer, in the order
+    the engine produces them: autograd nodes in decreasing creation order, and the outputs of
+    one node in argument order (``h * h + h``: ``(g_add + g_mul0) + g_mul1``). An island that
+    reads a leaf twice (``mul(h, h)``) would let the engine sum its two contributions before the
+    sink sees them (``g_add + (g_mul0 + g_mul1)``), which rounds differently. So each read gets
+    an alias (:meth:`alias`) whose ``AccumulateGrad`` keeps its contribution aside with the rank
+    of the read, ``(-position of the line, argument index)``, and :meth:`flush`, called after the
+    island's backward, passes them to the sinks in rank order.
+
+    :meth:`release`, called when the island's lines have run, lets go of the aliases' data: the
+    island's graph keeps their ``AccumulateGrad`` nodes (and so the aliases), which must not keep
+    the leaf's memory alive once the schedule forgets it; saved tensors refer to the leaf's data
+    through :class:`rkgb.saved.SavedTensors`, never through an alias.
+    """
+
+    __slots__ = ("pending", "fresh")
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[tuple[int, int], GradSink, torch.Tensor]] = []
+        self.fresh: list[tuple[torch.Tensor, object]] = []  # aliases of the island being built
+
+    def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int]) -> torch.Tensor:
+        """A leaf sharing ``leaf``'s data whose gradient goes to ``sink`` at :meth:`flush`."""
+        alias = leaf.detach().requires_grad_()
+        pending = self.pending
+
+        def keep(grad_outputs):
+            if grad_outputs[0] is not None:
+                pending.append((rank, sink, grad_outputs[0]))
+            return (None,)
+
+        node = get_gradient_edge(alias).node
+        node.register_prehook(keep)
+        self.fresh.append((alias, node))  # the node lives while the island's graph holds it
+        return alias
+
+    def release(self) -> None:
+        """The island's lines have run: its aliases keep their shapes but no memory."""
+        for alias, _ in self.fresh:
+            alias.data = torch.empty((), dtype=alias.dtype, device=alias.device).expand(alias.shape)
+        self.fresh.clear()
+
+    def flush(self) -> None:
+        """Pass the contributions kept since the last flush to their sinks, in eager's order."""
+        pending, self.pending[:] = sorted(self.pending, key=lambda entry: entry[0]), []
+        for _, sink, grad in pending:
+            sink((grad,))

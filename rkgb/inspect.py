@@ -28,11 +28,11 @@ from torch.utils._pytree import tree_leaves
 
 from .blocks import Block, Chain
 from .capture import as_input_tuple, device_of
-from .interpret import initial_environment, run_lines
-from .memory import AllocationTracker
-from .gradsink import GradSink
+from .interpret import global_requires_grad, initial_environment, run_lines, tensor_args
+from .memory import measure_allocator_peak
+from .gradsink import GradSink, UseCollector
 from .saved import SavedTensors, storage_key
-from .simplify import SimplifiedGraph, SimplifiedNode
+from .simplify import SimplifiedGraph, SimplifiedNode, gradient_needs
 
 __all__ = ["NodeMeasure", "BlockMeasure", "GradSink", "inspect_chain", "COST_MODELS"]
 
@@ -136,33 +136,23 @@ class _Clock:
 
 
 class _PeakMeter:
-    """Peak of allocated bytes while a function runs, above what was allocated before."""
+    """Peak of allocated bytes while a function runs, above what was allocated before: the
+    allocator's own figure (:func:`rkgb.memory.measure_allocator_peak`), the buffers that
+    kernels allocate inside themselves included."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.tracker = AllocationTracker() if device.type != "cuda" else None
 
     def __enter__(self):
-        if self.tracker is not None:
-            self.tracker.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.tracker is not None:
-            self.tracker.__exit__(*exc)
+        return None
 
     def measure(self, fn) -> int:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fn()
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - before
-        before = self.tracker.current_bytes
-        self.tracker.reset_peak()
-        fn()
-        return self.tracker.peak_bytes - before
+        return measure_allocator_peak(fn, device=self.device)
 
 
 def _storage_bytes(tensors) -> int:
@@ -184,12 +174,15 @@ def inspect_chain(
     sample,
     cost_model: str = "measured",
     repeats: int = 3,
+    layouts: dict[str, tuple[int, ...]] | None = None,
 ) -> list[BlockMeasure]:
     """Measure the representative block of every class; returns one BlockMeasure per class.
 
     The model's parameters, buffers, gradients and the global RNG state are left as found.
+    ``layouts``: :func:`gradient_layouts` (found here when not given).
     """
     device = device_of(model, as_input_tuple(sample))
+    needs = gradient_needs(graph, global_requires_grad(graph, model, sample))
     clock = _Clock(cost_model, device, repeats)
     representatives = {cls.representative: cls.index for cls in chain.classes}
     position = {node.name: i for i, node in enumerate(graph.nodes)}
@@ -205,17 +198,23 @@ def inspect_chain(
     measures: dict[int, BlockMeasure] = {}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            layouts = gradient_layouts(graph, model, sample)
+            # the inputs as leaves of their own: the user's tensors get no gradient from inspection
+            sample = tuple(
+                value.detach().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
+                for value in as_input_tuple(sample)
+            )
+            if layouts is None:
+                layouts = gradient_layouts(graph, model, sample) or {}
             env = initial_environment(graph, model, sample)
             with torch.no_grad():
                 for p in model.parameters():
-                    if p.grad is None:
+                    if p.requires_grad and p.grad is None:
                         p.grad = torch.zeros_like(p)  # as after a first step: not counted
                 next_node = 0
                 for block in chain.blocks:
                     if block.index in representatives:
                         measures[representatives[block.index]] = _inspect_block(
-                            graph, block, env, model, clock, device, representatives[block.index], layouts
+                            graph, block, env, model, clock, device, representatives[block.index], layouts, needs
                         )
                     remaining = [b for b in chain.blocks[block.index + 1 :] if b.index in representatives]
                     if all(_floating_input(graph, b) for b in remaining):
@@ -224,7 +223,7 @@ def inspect_chain(
                         for later in remaining:
                             _synthesize_input(graph, later, env, device)
                             measures[representatives[later.index]] = _inspect_block(
-                                graph, later, env, model, clock, device, representatives[later.index], layouts
+                                graph, later, env, model, clock, device, representatives[later.index], layouts, needs
                             )
                         break
                     for name in block.nodes:
@@ -318,7 +317,7 @@ def _output_gradient(leaf: torch.Tensor, stride: tuple[int, ...] | None) -> torc
     return grad
 
 
-def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, tuple[int, ...]]:
+def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, tuple[int, ...]] | None:
     """The strides of the gradient of every exported tensor in eager PyTorch's backward.
 
     The executor passes gradients between nodes as eager PyTorch would, in their layouts;
@@ -327,7 +326,9 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
     the inspection produces real gradients; a block's output gradients come from the next
     block: their layouts are found here, by one forward and backward of the whole graph on
     fake tensors (no memory, no computation: the ops' meta functions give the strides). The
-    model's outputs receive ``ones_like`` gradients. An empty dict if the fake run fails.
+    model's outputs receive ``ones_like`` gradients. The tensors it lists are those that a
+    backward from the outputs reaches (``SimplifiedGraph.gradient_receivers``). None if the
+    fake run fails (an op without a meta function).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -357,12 +358,12 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
             outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
             if outputs:
                 torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
-    except Exception:  # noqa: BLE001 - an op without a meta function: fall back to ones_like
-        return {}
+    except Exception:  # noqa: BLE001 - an op without a meta function: layouts are not known
+        return None
     return record
 
 
-def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts) -> BlockMeasure:
+def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts, needs) -> BlockMeasure:
     """Run one block node by node exactly as the executor runs it, and measure each node.
 
     Each node is an autograd island over all its lines; the tensors other nodes read (its
@@ -375,25 +376,35 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     global_names = graph.global_names()
     globals_ = [v for k, v in outer_env.items() if isinstance(v, torch.Tensor) and k in global_names]
     saved.register_globals(globals_)
-    params = [p for p in model.parameters() if p.requires_grad]
+    # the leaves outside the block that receive gradients: parameters and inputs that require grad;
+    # an input's gradient is the step's first-run memory (rkgb.build.first_run_bytes), not a
+    # backward's temporary
+    params = [v for v in globals_ if v.requires_grad and v.is_leaf]
+    model_inputs = {name for name in graph.captured.inputs if name is not None}
+    input_leaves = [v for k, v in outer_env.items() if k in model_inputs and isinstance(v, torch.Tensor) and v.requires_grad]
     env = dict(outer_env)
     leaves: dict[str, list[torch.Tensor]] = {}
     # the leaves that require grad, with their sinks: the parts of the node's gradient
     grad_leaves: dict[str, list[tuple[torch.Tensor, GradSink]]] = {}
     grad_names: dict[str, list[str]] = {}
     islands: dict[str, list[torch.Tensor]] = {}
+    sink_of: dict[str, GradSink] = {}  # fx name of a leaf -> its sink
+    aliases: dict[str, list[torch.Tensor]] = {}  # island -> its per-read aliases (UseCollector)
+    uses = UseCollector()
+    position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
     state = _GradState()
 
-    def make_leaves(node: SimplifiedNode, names: list[str], values: list[torch.Tensor], is_input: bool) -> None:
+    def make_leaves(node: SimplifiedNode, names: list[str], values: list[torch.Tensor]) -> None:
         made, parts, part_names = [], [], []
         for fx_name, value in zip(names, values):
             leaf = value.detach()
-            if value.requires_grad or (is_input and value.dtype.is_floating_point):
+            if needs[node.name].exported.get(fx_name, False):
                 leaf.requires_grad_()
                 parts.append((leaf, GradSink(leaf)))
                 part_names.append(fx_name)
             env[fx_name] = leaf
             made.append(leaf)
+        sink_of.update({fx_name: sink for fx_name, (_, sink) in zip(part_names, parts)})
         leaves[node.name] = made
         grad_leaves[node.name] = parts
         grad_names[node.name] = part_names
@@ -406,7 +417,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     if block.input_node is not None:
         input_node = graph.node(block.input_node)
         names = graph.exported(input_node)
-        make_leaves(input_node, names, [outer_env[n] for n in names], True)
+        make_leaves(input_node, names, [outer_env[n] for n in names])
         input_bytes = sum(o.size_bytes for o in input_node.outputs)
         input_requires_grad = bool(grad_leaves[input_node.name])
         input_grad_parts = part_sizes(input_node.name)
@@ -426,9 +437,11 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
 
             no_grad_peak = meter.measure(forward_no_grad)
 
+            requires_grad = needs[name].requires_grad  # else it runs without grad, as the executor's
+
             def forward_with_grad():
-                with saved.island(name), torch.enable_grad():
-                    run_lines(lines, env)
+                with saved.island(name), torch.set_grad_enabled(requires_grad):
+                    aliases[name] = run_island_lines(lines, env, sink_of, uses, position)
                 values = [env[n] for n in exported]
                 saved.finish_island(name, values)
                 result["exported"] = values
@@ -440,11 +453,10 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             values = result["exported"]
             data_bytes = _storage_bytes(result["outputs"])
             phantom_bytes = saved.phantom_bytes(name)
-            requires_grad = any(t.requires_grad for t in values)
 
             forward_time = clock(_rerun(lines, env, requires_grad), data_bytes)
-            islands[name] = [t for t in values if t.requires_grad]
-            make_leaves(node, exported, values, False)
+            islands[name] = [t for t, out in zip(values, exported) if needs[name].exported[out]]
+            make_leaves(node, exported, values)
             values = None
             result.clear()
             measure = NodeMeasure(
@@ -486,13 +498,23 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             measure.backward_reads = [anonymous[r] for r in reads if r in anonymous]
             measure.backward_shapes = [anonymous[d] for d in node.data_deps if d not in reads]
             measure.grads_to = [anonymous[d] for d in targets]
-            inputs = dep_leaves + params
+            inputs = dep_leaves + aliases.pop(name, []) + params
             if outputs:
                 measure.backward_time_s = clock(
                     lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True),
                     measure.data_bytes + new_grad_bytes,
                 )
-                peak = meter.measure(lambda: torch.autograd.backward(outputs, grads))
+
+                def backward():
+                    torch.autograd.backward(outputs, grads)
+                    uses.flush()
+
+                for leaf in input_leaves:
+                    leaf.grad = None
+                peak = meter.measure(backward)
+                peak -= _storage_bytes([leaf.grad for leaf in input_leaves if leaf.grad is not None])
+                for leaf in input_leaves:
+                    leaf.grad = None
             else:
                 peak = 0
             added = 0
@@ -527,6 +549,33 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         outputs=[anonymous[n] for n in block.output_nodes],
         has_input=block.input_node is not None,
     )
+
+
+def run_island_lines(lines, env, sinks: dict[str, GradSink], uses: UseCollector, position: dict[str, int]) -> list[torch.Tensor]:
+    """Run an island's lines as the executor does (:func:`exec.codegen`): each read of a leaf
+    that the island reads more than once goes through its own alias
+    (:class:`rkgb.gradsink.UseCollector`). Returns the aliases made."""
+    reads: dict[str, int] = {}
+    for line in lines:
+        for arg in tensor_args(line):
+            reads[arg.name] = reads.get(arg.name, 0) + 1
+    split = {name for name, count in reads.items() if count > 1 and name in sinks}
+    made: list[torch.Tensor] = []
+    for line in lines:
+        index = iter(range(1 << 30))
+
+        def fetch(arg, line=line, index=index):
+            k = next(index)
+            if arg.name not in split:
+                return env[arg.name]
+            alias = uses.alias(env[arg.name], sinks[arg.name], (-position[line.name], k))
+            made.append(alias)
+            return alias
+
+        args, kwargs = torch.fx.node.map_arg((line.args, line.kwargs), fetch)
+        env[line.name] = line.target(*args, **kwargs)
+    uses.release()
+    return made
 
 
 def _rerun(lines, env, with_grad: bool):

@@ -31,6 +31,9 @@ from torch.utils._pytree import tree_flatten
 __all__ = [
     "AllocationEvent",
     "AllocationTracker",
+    "AllocatorEvent",
+    "allocator_events",
+    "allocator_events_and_ranges",
     "measure_allocator_peak",
     "measure_peak",
     "storage_key",
@@ -268,39 +271,85 @@ def measure_peak(
     return tracker.peak_bytes
 
 
+@dataclass(frozen=True)
+class AllocatorEvent:
+    """One allocation (``delta_bytes > 0``) or free reported by the allocator.
+
+    ``time_ns`` orders the events; ``current_bytes`` is the total allocated since the start of
+    the recording just after the event (frees of blocks allocated before the start are not
+    reported by the CPU allocator, so it never goes below zero).
+    """
+
+    time_ns: int
+    delta_bytes: int
+    current_bytes: int
+
+
+def allocator_events(fn: Callable[..., Any], *args: Any) -> list[AllocatorEvent]:
+    """Run ``fn(*args)`` on the CPU and return the CPU allocator's allocation events, in order.
+
+    The figures come from the allocator itself (``torch.profiler.profile(profile_memory=True)``,
+    its allocation events): every allocation and free of the process's CPU allocator, the
+    buffers that kernels allocate and free inside themselves included (convolution im2col
+    columns, oneDNN scratchpads), which :class:`AllocationTracker` does not see. Only blocks
+    allocated during the call count: the free of a block allocated before it (which the
+    allocator reports when an earlier profiling session saw its allocation) is left out, so
+    the figures are the memory allocated since the call started. Kineto's own log lines are
+    silenced (``KINETO_LOG_LEVEL=6`` unless set).
+    """
+    return allocator_events_and_ranges(fn, *args)[0]
+
+
+def allocator_events_and_ranges(fn: Callable[..., Any], *args: Any, prefix: str = "\0") -> tuple[
+        list[AllocatorEvent], dict[str, tuple[int, int]]]:
+    """:func:`allocator_events`, and the (start, end) times of the profiler ranges
+    (``torch.profiler.record_function``) whose names start with ``prefix``, by name."""
+    import os
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    ranges = {e.name(): (e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
+              if e.name().startswith(prefix)}
+    allocation = torch._C._profiler._EventType.Allocation
+    raw: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == allocation and event.typed[1].device.type == "cpu":
+            raw.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].ptr))
+    events, current, live = [], 0, set()
+    for time_ns, delta, ptr in sorted(raw, key=lambda triple: triple[0]):
+        if delta > 0:
+            live.add(ptr)
+        elif ptr in live:
+            live.discard(ptr)
+        else:
+            continue  # allocated before the call
+        current += delta
+        events.append(AllocatorEvent(time_ns, delta, current))
+    return events, ranges
+
+
 def measure_allocator_peak(
     fn: Callable[..., Any], *args: Any, device: torch.device | str | None = None
 ) -> int:
     """Run ``fn(*args)`` and return the allocator's peak above the start, workspaces included.
 
-    On CPU, the figure comes from the allocator's own reports of every allocation and free
-    (``torch.profiler.profile(profile_memory=True)``), replayed in time order: unlike
-    :func:`measure_peak` it sees the buffers that kernels allocate and free internally
-    (convolution im2col columns, oneDNN scratchpads). It also counts the frees of memory
-    allocated before the start (e.g. an input that ``fn`` drops), so it can read less than
-    :func:`measure_peak` when ``fn`` frees such memory before its peak. It is slower
-    (the profiler runs) and reads the profiler's low-level event list
-    (``prof.profiler.kineto_results``). On CUDA it is :func:`measure_peak`.
+    This is the figure the budget promises (``DESIGN.md``): on CPU the peak of the CPU
+    allocator's own reports (:func:`allocator_events`), which see the buffers that kernels
+    allocate internally (convolution columns) where :func:`measure_peak` does not; on CUDA,
+    ``torch.cuda.max_memory_allocated`` (:func:`measure_peak`).
 
     Parameters and return value as :func:`measure_peak`.
     """
     device = torch.device(device) if device is not None else _device_of(args)
     if device.type == "cuda":
         return measure_peak(fn, *args, device=device)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(*args)
-    events = [
-        event
-        for event in prof.profiler.kineto_results.events()
-        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    current_bytes = peak_bytes = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        current_bytes += event.nbytes()
-        peak_bytes = max(peak_bytes, current_bytes)
-    return peak_bytes
+    return max((event.current_bytes for event in allocator_events(fn, *args)), default=0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,7 +74,6 @@ class SavedTensors:
         self._phantoms: dict[str, list[Packed]] = {}
         self._references: dict[str, set[str]] = {}
         self._island: str | None = None
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     # -- data ------------------------------------------------------------------------------
     def register_globals(self, tensors) -> None:
@@ -109,7 +108,9 @@ class SavedTensors:
         self._phantoms[node] = []
         self._references[node] = set()
         try:
-            with self._hooks:
+            # made per island: kept on self, the hooks (bound methods) would make a reference
+            # cycle that keeps the step's registered data alive until a garbage collection
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
             self._island = None

@@ -32,7 +32,7 @@ import torch.fx
 from .capture import CapturedGraph
 from .errors import UnsupportedOperation, describe_fx_node
 
-__all__ = ["OpKind", "classify", "SimplifiedNode", "SimplifiedGraph", "simplify"]
+__all__ = ["OpKind", "classify", "SimplifiedNode", "SimplifiedGraph", "simplify", "GradientNeeds", "gradient_needs", "NO_GRADIENT"]
 
 
 class OpKind(enum.Enum):
@@ -70,6 +70,17 @@ def classify(node: torch.fx.Node) -> OpKind:
     if _traced_alias(node) is not None:
         return OpKind.VIEW
     return OpKind.ALLOCATING
+
+
+def _is_data_dependent(node: torch.fx.Node) -> bool:
+    """Whether a non-tensor result depends on tensor data (an unbacked symbol: ``.item()``)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    value = node.meta.get("val")
+    try:
+        return bool(free_unbacked_symbols(value))
+    except (TypeError, AttributeError):  # a value that holds no symbols
+        return False
 
 
 def _storage_of(value) -> object | None:
@@ -178,9 +189,41 @@ class SimplifiedGraph:
     buffer_updates_prologue: list[torch.fx.Node]
     owner: dict[str, str]
     outputs: list[str]  # fx names of the user outputs, in order
+    # exported tensors that a backward from the outputs reaches (rkgb.inspect.gradient_flow);
+    # None: not known, every tensor computed from one that requires grad is taken to be reached
+    gradient_receivers: set[str] | None = None
 
     def __post_init__(self) -> None:
         self._by_name = {node.name: node for node in self.nodes}
+
+    def snapshot_buffers(self) -> list[str]:
+        """Placeholders of the buffers that the step updates and that a node reads.
+
+        The step writes a buffer's new value once, at the end of the forward; a node
+        recomputed after that (in the backward) must read the value its first computation read.
+        The executor reads such buffers from a copy made when the step starts. BatchNorm in
+        training mode reads its running statistics only to compute their update, which is
+        written once, at the first computation: its reads need no copy.
+        """
+        captured = self.captured
+        updated = set(captured.buffer_mutations.values())
+        mutated = {name for name, path in captured.buffers.items() if path in updated}
+        if not mutated:
+            return []
+        base = {view.name: view for view in self.global_views}
+
+        def root(fx_node: torch.fx.Node) -> str:
+            while fx_node.name in base:
+                fx_node = base[fx_node.name].args[0]
+            return fx_node.name
+
+        read: set[str] = set()
+        for node in self.nodes:
+            for line in node.lines:
+                if _reads_only_statistics_of(line):
+                    continue
+                read |= {root(arg) for arg in line.all_input_nodes} & mutated
+        return sorted(read)
 
     def node(self, name: str) -> SimplifiedNode:
         return self._by_name[name]
@@ -241,6 +284,63 @@ class SimplifiedGraph:
 _RANDOM_TAG = torch.Tag.nondeterministic_seeded
 
 
+_aten = torch.ops.aten
+# allocations shaped like their argument, whose results never require grad
+NO_GRADIENT = {
+    _aten.empty_like.default, _aten.zeros_like.default, _aten.ones_like.default,
+    _aten.full_like.default, _aten.rand_like.default, _aten.randn_like.default,
+}
+
+
+@dataclass(frozen=True)
+class GradientNeeds:
+    """Whether a node runs as an autograd island (``requires_grad``: its backward has work),
+    and which of its exported tensors get a gradient (``exported``: fx name -> flag)."""
+
+    requires_grad: bool
+    exported: dict[str, bool]
+
+
+def gradient_needs(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]) -> dict[str, GradientNeeds]:
+    """Which nodes need a backward, given which globals (placeholder names, views of globals
+    included) require grad.
+
+    An exported tensor gets a gradient when its node reads a tensor that requires grad (a global
+    or another node's exported tensor that gets one), it is floating point, the node's main op is
+    not an allocation like ``empty_like`` (the noise of a dropout on CPU), which autograd never
+    differentiates, and a backward from the model's outputs reaches it
+    (``graph.gradient_receivers``: not an unused result, not only read by non-differentiable
+    operations such as comparisons). A node needs a backward when one of its exported tensors
+    gets a gradient; the others run without grad.
+    """
+    receivers = graph.gradient_receivers
+    needs: dict[str, GradientNeeds] = {}
+    for node in graph.nodes:
+        reads_grad = False
+        for line in node.lines:
+            for arg in line.all_input_nodes:
+                holder = graph.owner.get(arg.name)
+                if holder in needs:
+                    reads_grad |= needs[holder].exported.get(arg.name, needs[holder].requires_grad)
+                elif holder is not None and holder != node.name:
+                    reads_grad |= global_requires_grad.get(arg.name, global_requires_grad.get(holder, False))
+        differentiable = reads_grad and node.main.target not in NO_GRADIENT
+        exported = {}
+        names = set(graph.exported(node))
+        for line in [node.main] + node.body:
+            if line.name in names:
+                value = line.meta["val"]
+                floating = value.dtype.is_floating_point or value.dtype.is_complex
+                exported[line.name] = differentiable and floating and (receivers is None or line.name in receivers)
+        needs[node.name] = GradientNeeds(any(exported.values()), exported)
+    return needs
+
+
+def _reads_only_statistics_of(line: torch.fx.Node) -> bool:
+    """A training-mode BatchNorm: its outputs do not depend on the running statistics it reads."""
+    return line.target is torch.ops.aten._native_batch_norm_legit_functional.default and line.args[5] is True
+
+
 def _is_random(node: torch.fx.Node) -> bool:
     tags = getattr(node.target, "tags", ())
     return _RANDOM_TAG in tags
@@ -298,6 +398,13 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         reads_model_input = any(owner.get(n.name) in model_inputs for n in inputs)
 
         if kind is OpKind.SHAPE:
+            if _is_data_dependent(fx_node) and (activation_inputs or reads_model_input):
+                raise UnsupportedOperation(
+                    f"{describe_fx_node(fx_node)} reads a value out of a tensor computed from the inputs "
+                    "(.item(), .tolist(), a Python number or bool of a tensor): Rockmate plans a graph "
+                    "of tensor operations and cannot replay such a value when it recomputes; keep the "
+                    "value as a tensor (e.g. `x * s` instead of `x * s.item()`)"
+                )
             if not activation_inputs:
                 static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
             else:

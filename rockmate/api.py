@@ -21,6 +21,7 @@ from rkgb.errors import describe_fx_node
 from solvers import registry
 from solvers.bounds import operation_floor
 from solvers.schedule import Plan
+from solvers.simulate import simulate
 
 from .budget import format_bytes, parse_budget
 from .errors import InfeasibleBudget
@@ -110,9 +111,10 @@ class Rockmate(nn.Module):
             floor, operation = _operation_floor(self.graphs)
             raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver, floor, operation)
         self.plan = plan
+        whole = self.graphs.model_chain.whole_graph()
         self.compiled = CompiledModule(
             model, self.graphs.simplified, plan.schedule, sample,
-            cdgraph=self.graphs.model_chain.whole_graph(), peak_limit=plan.predicted_peak,
+            cdgraph=whole, peak_limit=simulate(whole, plan.schedule).peak_bytes,
         )
 
     @property
@@ -151,12 +153,15 @@ def _operation_floor(graphs: ModelGraphs) -> tuple[int, str]:
     its module path and source line."""
     whole = graphs.model_chain.whole_graph()
     floor = operation_floor(whole)
+    held = graphs.model_chain.held_bytes  # (first-run memory depends on the plan: not in a floor)
+    if not floor.node:
+        return held + floor.bytes, "the memory held through the step (copies of buffers)"
     node = whole.compute(floor.node)
     if node.kind is ComputeKind.LOSS:
-        return floor.bytes, "the loss (with the model's outputs and their gradients)"
+        return held + floor.bytes, "the loss (with the model's outputs and their gradients)"
     names = {n.name for n in graphs.simplified.nodes}
     what = describe_fx_node(graphs.simplified.node(node.target).main) if node.target in names else node.target
-    return floor.bytes, ("the backward of " if node.kind is ComputeKind.BACKWARD else "") + what
+    return held + floor.bytes, ("the backward of " if node.kind is ComputeKind.BACKWARD else "") + what
 
 
 def min_budget(model: nn.Module, sample, solver="rockmate", **options) -> int:

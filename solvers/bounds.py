@@ -14,8 +14,7 @@ with the floor bounds how far it is from the best possible minimum; comparing th
 another solver's minimum bounds the best ratio any such plan can reach.
 
 With ``keep_outputs`` (a whole model's graph), the model's outputs are alive from the loss on
-(the user holds them), and their gradients until the backward returns, as
-:func:`solvers.simulate.simulate` has it.
+(the user holds them), as :func:`solvers.simulate.simulate` has it.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def operation_floor(graph: CDGraph, keep_outputs: bool = True) -> OperationFloor
     nodes = graph.compute_nodes
     inputs = set(graph.input_data)
     held = set(graph.output_data) - inputs if keep_outputs else set()
-    protected = set(graph.input_grads) | held | (set(graph.output_grads) if keep_outputs else set())
+    protected = set(graph.input_grads) | held
     grad_start, grad_added = gradient_profile(graph, protected)
     made_by_forward = {d for c in nodes if c.kind is ComputeKind.FORWARD for d in operation_outputs(graph, c, True)}
     best = OperationFloor(0, "")

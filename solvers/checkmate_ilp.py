@@ -149,7 +149,7 @@ class RkCheckmateILP:
         self.loss_stage = loss
         forwards = [i for i, c in enumerate(nodes) if c.kind is ComputeKind.FORWARD]
         keep = set(graph.output_data) if keep_outputs else set()
-        protected = set(graph.input_grads) | keep | (set(graph.output_grads) if keep_outputs else set())
+        protected = set(graph.input_grads) | keep
 
         # which data have a variable liveness (made by forwards) and who makes / reads them
         producer: dict[str, int] = {}

@@ -161,9 +161,9 @@ def no_grad_forward(graph: CDGraph) -> NoGradForward:
 
 
 def with_outputs_kept(graph: CDGraph, option: BlockOption) -> BlockOption:
-    """The variant of ``option`` for the model's last block: its outputs and their gradients
-    are never forgotten (the user holds the outputs, autograd the gradients)."""
-    outputs = set(graph.output_data) | set(graph.output_grads)
+    """The variant of ``option`` for the model's last block: its outputs are never forgotten
+    (the user holds them)."""
+    outputs = set(graph.output_data)
     forward = [op for op in option.forward_ops if not (isinstance(op, Forget) and op.node in outputs)]
     backward = [op for op in option.backward_ops if not (isinstance(op, Forget) and op.node in outputs)]
     schedule = Schedule(forward + [Compute("loss")] + backward)

@@ -56,8 +56,8 @@ def no_recompute_schedule(chain: ModelChain) -> Schedule:
     return schedule_from_computes(
         graph,
         [c.name for c in graph.compute_nodes],
-        protected=set(graph.input_grads) | set(graph.output_data) | set(graph.output_grads),
-        keep_at_end=set(graph.output_data) | set(graph.output_grads),
+        protected=set(graph.input_grads) | set(graph.output_data),
+        keep_at_end=set(graph.output_data),
     )
 
 
@@ -297,8 +297,8 @@ class CheckmateSolver:
 
     def _schedule(self, graph, computes: list[str]) -> Schedule:
         return schedule_from_computes(
-            graph, computes, protected=set(graph.input_grads) | set(graph.output_data) | set(graph.output_grads),
-            keep_at_end=set(graph.output_data) | set(graph.output_grads),
+            graph, computes, protected=set(graph.input_grads) | set(graph.output_data),
+            keep_at_end=set(graph.output_data),
         )
 
     def solve(self, chain: ModelChain, budget: int, *, start_schedule: Schedule | None = None) -> Plan:
@@ -412,9 +412,53 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
     """
     if budget < 0:
         raise ValueError(f"budget must be a number of bytes >= 0, got {budget!r}")
-    return get_solver(solver, **options).solve(chain, int(budget))
+    solver = get_solver(solver, **options)
+    budget, held = int(budget), _held_bytes(chain)
+    plan = solver.solve(chain, budget - held) if chain.blocks and budget >= held else None
+    if plan is None or not plan.feasible:
+        # below what the solver can plan with the first-run memory left aside as a whole, the
+        # plan without recomputation may still fit, counted exactly
+        fallback = _no_recompute_plan(chain, budget, solver.name)
+        exact = chain.held_bytes + simulate(chain.whole_graph(), fallback.schedule,
+                                            first_run_bytes=chain.first_run_bytes).peak_bytes
+        if exact <= budget:
+            fallback.notes.append("the plan without recomputation fits the budget")
+            plan = fallback
+        elif plan is None:
+            plan = _infeasible(chain, budget, solver.name, solver.min_budget(chain) if chain.blocks else None)
+    # the memory the executor holds besides the CD-graph's data (ModelChain.held_bytes and
+    # first_run_bytes): the solvers plan within the budget less all of it; the prediction
+    # counts each first-run allocation from the first run of its node
+    plan.budget = budget
+    plan.held_bytes = chain.held_bytes
+    plan.first_run_bytes = chain.first_run_bytes
+    if plan.feasible:
+        plan.predicted_peak = chain.held_bytes + simulate(
+            chain.whole_graph(), plan.schedule, first_run_bytes=chain.first_run_bytes).peak_bytes
+    if not plan.feasible:
+        plan.min_budget = _minimum(chain, plan.min_budget)
+        plan.notes[0] = f"budget {budget} B is below the minimum {plan.min_budget} B of solver {plan.solver!r}"
+    return plan
+
+
+def _minimum(chain: ModelChain, solver_minimum: int | None) -> int:
+    """The smallest budget: the solver's minimum with the first-run memory left aside as a
+    whole, or the plan without recomputation counted exactly, whichever is smaller."""
+    exact = chain.held_bytes + simulate(chain.whole_graph(), no_recompute_schedule(chain),
+                                        first_run_bytes=chain.first_run_bytes).peak_bytes
+    if solver_minimum is None:
+        return exact
+    return min(exact, _held_bytes(chain) + int(solver_minimum))
+
+
+def _held_bytes(chain: ModelChain) -> int:
+    """What the solvers leave aside of a budget: the chain's held bytes, and all its first-run
+    memory (generator states, input gradients: ModelChain.first_run_reserve) as if alive from
+    the start; the plan's prediction then counts each from the first run of its node."""
+    return chain.held_bytes + chain.first_run_reserve()
 
 
 def min_budget(chain: ModelChain, solver: str | object = "rockmate", **options) -> int:
     """The smallest budget (bytes) that ``solver`` can meet on ``chain``."""
-    return int(get_solver(solver, **options).min_budget(chain))
+    solver = get_solver(solver, **options)
+    return _minimum(chain, solver.min_budget(chain) if chain.blocks else None)

@@ -225,7 +225,7 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
                 continue
             last = t == n - 1
             d_t = 0 if last else grad[t]
-            k_t = out[n - 1] + grad[n - 1] if last else 0  # kept to the end
+            k_t = out[n - 1] if last else 0  # the user keeps the model's outputs
             best = np.full(size, INFEASIBLE)
             choice = np.full(size, -1, dtype=np.int32)
             for index, (fwd, bwd, saved, time) in enumerate(options[s]):
@@ -291,7 +291,7 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
             stack.append(("emit", ChainAction("forward", s, picked)))
         else:
             split = s + 1 + picked - n_options[s]
-            k_t = out[n - 1] + grad[n - 1] if last else 0  # kept to the end
+            k_t = out[n - 1] if last else 0  # the user keeps the model's outputs
             stack.append(("solve", s, split - 1, m - k_t))
             stack.append(("emit", ChainAction("forget_output", split - 1)))
             stack.append(("solve", split, t, m - out[split - 1]))

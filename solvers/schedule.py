@@ -58,9 +58,11 @@ class Schedule:
 class Plan:
     """The result of a solver on a whole model.
 
-    ``predicted_peak`` and ``predicted_time`` are what the simulator measures on ``schedule``;
-    ``baseline_time`` is the time without any recomputation. When ``feasible`` is False the
-    schedule is empty and ``min_budget`` says the smallest budget this solver can meet.
+    ``predicted_peak`` and ``predicted_time`` are what the simulator measures on ``schedule``
+    (with ``first_run_bytes``, what compute nodes allocate at their first run and the executor
+    keeps, and plus ``held_bytes``, what it holds through the whole step besides the CD-graph's
+    data: ``ModelChain``); ``baseline_time`` is the time without any recomputation. When ``feasible`` is False the schedule is empty and ``min_budget`` says the
+    smallest budget this solver can meet.
     """
 
     feasible: bool
@@ -73,4 +75,6 @@ class Plan:
     min_budget: int | None = None
     time_limit_hit: bool = False
     solve_time_s: float = 0.0
+    held_bytes: int = 0
+    first_run_bytes: dict = field(default_factory=dict)  # ModelChain.first_run_bytes
     notes: list[str] = field(default_factory=list)

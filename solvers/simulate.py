@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rkgb.cdgraph import CDGraph, ComputeKind, ComputeNode, DataKind, data_name
+from rkgb.cdgraph import CDGraph, ComputeKind, ComputeNode, DataKind, FirstRun, data_name
 from solvers.schedule import Compute, Forget, Operation, Schedule
 
 __all__ = [
@@ -186,6 +186,7 @@ def simulate(
     *,
     keep_outputs: bool = True,
     initially_alive: set[str] | None = None,
+    first_run_bytes: dict[str, tuple[FirstRun, ...]] | None = None,
 ) -> SimulationResult:
     """Replay ``schedule`` on ``graph``; return its peak memory and time.
 
@@ -196,11 +197,19 @@ def simulate(
     schedule
         The operations to replay.
     keep_outputs
-        When True (a whole model), ``graph.output_data`` and ``graph.output_grads`` may never be
-        forgotten: the user holds the model's outputs, and the autograd engine holds their
-        gradients until the compiled module's backward returns. Block options are simulated with False.
+        When True (a whole model), ``graph.output_data`` may never be forgotten: the user holds
+        the model's outputs. Their gradients are the executor's (the engine hands them over and
+        lets go, :mod:`exec.runtime`), freed after their last use. Block options are simulated
+        with False.
     initially_alive
         Data nodes alive at the start besides ``graph.input_data`` (counted in the memory).
+    first_run_bytes
+        Memory that compute nodes allocate at their first run and the executor keeps to the end
+        of the step, by key (``ModelChain.first_run_bytes``: the generator state of a random
+        node, the gradient of a model input): the first run of a node with a key allocates it
+        (for ``only_if_rerun`` keys, only when the node runs again later in ``schedule``); a
+        later one holds that much more while it runs (a replay saves the outer state, an
+        accumulation adds into a new tensor).
 
     Returns
     -------
@@ -216,12 +225,18 @@ def simulate(
     """
     ops = schedule.ops if isinstance(schedule, Schedule) else list(schedule)
     inputs = set(graph.input_data)
-    # the user holds the outputs, and autograd holds their gradients until the backward ends
-    protected = set(inputs) | (set(graph.output_data) | set(graph.output_grads) if keep_outputs else set())
+    # the user holds the outputs (their gradients are the executor's, freed after their last use)
+    protected = set(inputs) | (set(graph.output_data) if keep_outputs else set())
     alive: set[str] = set(inputs) | set(initially_alive or ())
     consumed: set[str] = set()
     forgotten_grads: set[str] = set()
     ran_once: set[str] = set()
+    first_runs: set[str] = set()  # keys of first_run_bytes allocated so far
+    runs: dict[str, int] = {}  # compute node -> how many times the schedule runs it
+    for op in ops:
+        if isinstance(op, Compute):
+            runs[op.node] = runs.get(op.node, 0) + 1
+    kept = 0  # their bytes
     storages = _Storages(graph, inputs)
     for d in sorted(alive):
         storages.add(d)
@@ -257,7 +272,7 @@ def simulate(
                 forgotten_grads.add(op.node)
             storages.forget(op.node)
             memory = storages.memory
-            memory_during.append(memory)
+            memory_during.append(memory + kept)
             continue
         if not isinstance(op, Compute):
             raise InvalidSchedule(f"{where(i, op)}: not a Compute or a Forget")
@@ -295,7 +310,14 @@ def simulate(
                     "after an earlier contribution (that contribution would be lost)"
                 )
         added = storages.compute(node, outputs)
-        during = memory + node.overhead(op.with_grad or node.kind is not ComputeKind.FORWARD) + added
+        again = 0
+        for entry in (first_run_bytes or {}).get(node.name, ()):
+            if entry.key in first_runs:
+                again += entry.bytes
+            elif not entry.only_if_rerun or runs[node.name] > 1:
+                first_runs.add(entry.key)
+                kept += entry.bytes
+        during = memory + kept + again + node.overhead(op.with_grad or node.kind is not ComputeKind.FORWARD) + added
         memory_during.append(during)
         if during > peak:
             peak, peak_index = during, i
@@ -329,7 +351,7 @@ def simulate(
         forward_time_s=forward_time,
         backward_time_s=backward_time,
         peak_index=peak_index,
-        memory_at_end=memory,
+        memory_at_end=memory + kept,
     )
 
 

@@ -42,3 +42,14 @@ def seeded() -> int:
     """Seed every generator with 0 before the test; the value is the seed."""
     seed_everything(0)
     return 0
+
+
+try:  # hypothesis profiles of tests/test_fuzz.py: "ci" by default, --hypothesis-profile=long
+    from hypothesis import HealthCheck, settings
+
+    _FUZZ = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True, derandomize=True)
+    settings.register_profile("ci", max_examples=60, **_FUZZ)
+    settings.register_profile("long", max_examples=2000, **_FUZZ)
+    settings.load_profile("ci")
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    pass

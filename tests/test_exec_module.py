@@ -114,7 +114,7 @@ def test_input_that_requires_grad():
 def test_generated_code_is_readable_and_registered():
     compiled, _, sample = _compile("gpt", torch.float32, "recompute_all")
     code = compiled.code
-    assert "def forward_phase(s, tokens):" in code and "def backward_phase(s, grad_outputs):" in code
+    assert "def forward_phase(s, tokens):" in code and "def backward_phase(s):" in code
     assert "aten.linear.default(" in code and "# fwd_linear (no grad)" in code
     assert "# fwd_linear (with grad), recomputation" in code
     assert "# forget linear.data" in code and "# bwd_linear" in code
@@ -195,13 +195,19 @@ def test_islands_merge_where_the_schedule_allows_and_the_peak_stays():
 
     model, sample = ZOO["gpt"].build()
     reference = copy.deepcopy(model)
-    for budget in (10**9, 100_000):
+    for budget in (10**9, 120_000):
         compiled = Rockmate(copy.deepcopy(model), sample, budget, cost_model="flops")
         runner = next(iter(compiled.compiled._runners.values()))
         whole = compiled.graphs.model_chain.whole_graph()
         order = executed_order(compiled.plan.schedule, runner.merged)
-        assert simulate(whole, executed_order(compiled.plan.schedule, {})).peak_bytes == compiled.plan.predicted_peak
-        assert simulate(whole, order).peak_bytes <= compiled.plan.predicted_peak
+        # the plan's peak: the schedule's, with the generator states kept for the dropouts
+        plan = compiled.plan
+        assert plan.first_run_bytes and all(entry.bytes == torch.get_rng_state().nbytes and entry.only_if_rerun
+                                            for entries in plan.first_run_bytes.values() for entry in entries)
+        with_states = simulate(whole, executed_order(plan.schedule, {}), first_run_bytes=plan.first_run_bytes)
+        assert with_states.peak_bytes + plan.held_bytes == plan.predicted_peak
+        # merges keep the schedule's own peak
+        assert simulate(whole, order).peak_bytes <= simulate(whole, plan.schedule).peak_bytes
         if budget == 10**9:  # no recomputation: every linear chain of single readers merges
             assert len(runner.merged) >= 10
             assert compiled.code.count("one island") >= 2 * len(runner.merged)

@@ -109,7 +109,7 @@ def rotor_reference(costs, budget):
     def opt(s, t, m):
         last = t == n - 1
         d = 0 if last else g[t]
-        k = a[-1] + g[-1] if last else 0  # the outputs and their gradients stay to the end
+        k = a[-1] if last else 0  # the outputs stay to the end (their gradients are freed after use)
         o = blocks[s].options[0]
         best = float("inf")
         if s == t:

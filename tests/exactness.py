@@ -1,0 +1,183 @@
+"""The exactness and budget check shared by the tests: a compiled model trained next to eager.
+
+:func:`check_training` trains ``Rockmate(model, sample, budget)`` and an eager copy of ``model``
+side by side over a few SGD steps, with the same seeds (dropout), and asserts what the project
+promises: outputs, parameter gradients, input gradients and buffers bitwise equal to eager's
+at every step; the allocator's peak of each whole step (model and loss) within the budget, and
+within ``tolerance`` of the plan's prediction (the failure names the operation of the schedule
+whose memory is furthest above its prediction).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from rkgb.memory import measure_allocator_peak
+
+__all__ = ["DotLoss", "LOSS_BYTES", "CheckReport", "check_training", "eager_peak"]
+
+# the loss's own scalars (its dot products, their sum, the gradient of the sum), which the
+# test allocates beside the module's memory
+LOSS_BYTES = 64
+
+
+def _flat(outputs) -> tuple:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+class DotLoss:
+    """``sum_i <outputs_i, W_i>`` over the floating outputs that require grad, with weights
+    drawn once, outside the measured region.
+
+    Its forward allocates scalars (and a copy of an output that is not contiguous, which
+    :meth:`copies` counts) and its backward only the outputs' gradients, which the plan
+    counts: the measured peak is the compiled module's.
+    """
+
+    def __init__(self, outputs, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.weights = [
+            torch.randn(o.numel(), generator=generator, dtype=o.dtype) if o.is_floating_point() else None
+            for o in _flat(outputs)
+        ]
+
+    def __call__(self, outputs):
+        terms = [torch.dot(o.reshape(-1), w) for o, w in zip(_flat(outputs), self.weights)
+                 if w is not None and o.requires_grad]
+        return sum(terms[1:], terms[0]) if terms else None
+
+    def copies(self, outputs) -> int:
+        """Bytes that the loss's forward copies (reshapes of outputs that are not contiguous)."""
+        return sum(o.numel() * o.element_size() for o, w in zip(_flat(outputs), self.weights)
+                   if w is not None and o.requires_grad and not o.is_contiguous())
+
+
+def _step(module, sample, loss, result: dict):
+    def step():
+        inputs = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+                       for x in sample)
+        outputs = module(*inputs)
+        value = loss(outputs)
+        if value is not None:
+            value.backward()
+        result["outputs"] = _flat(outputs)
+        result["input_grads"] = [x.grad if isinstance(x, torch.Tensor) else None for x in inputs]
+
+    return step
+
+
+def eager_peak(model, sample, loss) -> int:
+    """The allocator's peak of one eager training step (after a warm-up step), with the
+    parameters' gradients allocated as after a first step."""
+    model = copy.deepcopy(model)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    step = _step(model, sample, loss, {})
+    step()
+    return measure_allocator_peak(step)
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check_training` measured."""
+
+    compiled: object
+    budget: int
+    predicted_peak: int
+    measured_peaks: list[int]
+    eager_peak: int
+    at_minimum: bool
+
+
+def _train(module, params, sample, loss, steps: int, seed: int):
+    trained = [p for p in params if p.requires_grad]
+    optimizer = torch.optim.SGD(trained, lr=0.05) if trained else None
+    torch.manual_seed(seed)
+    history = []
+    for _ in range(steps):
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=False)
+        result: dict = {}
+        peak = measure_allocator_peak(_step(module, sample, loss, result))
+        outputs = [o.detach().clone() for o in result["outputs"]]
+        grads = [None if p.grad is None else p.grad.clone() for p in params]
+        history.append((outputs, grads, result["input_grads"], peak))
+        if optimizer is not None:
+            optimizer.step()
+    return history
+
+
+def check_training(model, sample, fraction: float, solver: str = "rockmate", *, steps: int = 3,
+                   at_minimum: bool = True, tolerance: float = 0.03, **options) -> CheckReport | None:
+    """Train ``model`` compiled at ``fraction`` of eager's allocator peak next to an eager copy.
+
+    Asserts bitwise equal outputs, parameter and input gradients and buffers at each step,
+    the compiled step's allocator peak within the budget (the loss's own scalars and copies
+    aside) and within ``tolerance`` under the plan's prediction. Below the solver's minimum,
+    the error must give that minimum; with ``at_minimum`` the check runs again at it (the
+    tightest plan: the hardest case), otherwise returns None. ``options`` go to ``Rockmate``
+    (``cost_model="flops"`` by default: deterministic plans).
+    """
+    from rockmate import InfeasibleBudget, Rockmate
+
+    options.setdefault("cost_model", "flops")
+    sample = tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)
+    reference = copy.deepcopy(model)
+    for p in list(model.parameters()) + list(reference.parameters()):
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        probe = copy.deepcopy(model)(*sample)
+    loss = DotLoss(probe)
+    slack = LOSS_BYTES + loss.copies(probe)
+    eager = eager_peak(model, sample, loss)
+    budget = max(1, int(eager * fraction))
+    minimum = False
+    try:
+        compiled = Rockmate(model, sample, budget, solver=solver, **options)
+    except InfeasibleBudget as error:
+        assert error.minimum is not None and error.minimum > budget, str(error)
+        assert str(error.minimum) in str(error)
+        if not at_minimum:
+            return None
+        budget, minimum = error.minimum, True
+        compiled = Rockmate(model, sample, budget, solver=solver, **options)
+    predicted = compiled.plan.predicted_peak
+    assert predicted <= budget, (predicted, budget)
+    params = list(model.parameters())
+    expected = _train(reference, list(reference.parameters()), sample, loss, steps, 1)
+    got = _train(compiled, params, sample, loss, steps, 1)
+    peaks = []
+    for step, ((out_e, grad_e, in_e, _), (out_g, grad_g, in_g, peak)) in enumerate(zip(expected, got)):
+        for i, (a, b) in enumerate(zip(out_e, out_g)):
+            assert a.shape == b.shape and torch.equal(a, b), f"step {step}: output {i} differs"
+        for (path, _), a, b in zip(reference.named_parameters(), grad_e, grad_g):
+            assert (a is None) == (b is None), f"step {step}: gradient of {path}: {a} against {b}"
+            assert a is None or torch.equal(a, b), f"step {step}: gradient of {path} differs"
+        for i, (a, b) in enumerate(zip(in_e, in_g)):
+            assert (a is None) == (b is None), f"step {step}: gradient of input {i}: {a} against {b}"
+            assert a is None or torch.equal(a, b), f"step {step}: gradient of input {i} differs"
+        if not (peak <= budget + slack and (1 - tolerance) * predicted <= peak <= predicted + slack):
+            raise AssertionError(f"step {step}: allocator peak {peak} B against a predicted {predicted} B "
+                                 f"(budget {budget} B): " + where_memory_differs(compiled, sample, loss))
+        peaks.append(peak)
+    for (path, a), b in zip(reference.named_buffers(), model.buffers()):
+        assert torch.equal(a, b), f"buffer {path} differs"
+    return CheckReport(compiled, budget, predicted, peaks, eager, minimum)
+
+
+def where_memory_differs(compiled, sample, loss) -> str:
+    """The operation of the schedule whose allocator peak is furthest above its prediction."""
+    from exec.timeline import measure_timeline
+
+    timeline = measure_timeline(compiled.compiled, tuple(sample), loss, compiled.plan)
+    worst = timeline.worst()
+    if worst is None:
+        index, label = timeline.peak_operation()
+        return f"no operation above its prediction; the measured peak is at operation {index}, {label}"
+    index, label, measured, predicted = worst
+    return f"operation {index}, {label}, measured {measured} B against a predicted {predicted} B"

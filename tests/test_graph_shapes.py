@@ -1,0 +1,261 @@
+"""Ordinary graph shapes that random models found wrong or crashing: each exact, or a clear error.
+
+Outputs that are also read later, outputs without grad next to outputs with, unused random
+ops, gradients with several contributions from one operation, unused normalizations,
+parameter-free graphs, buffers read after their update, values read out of tensors; and the
+autograd semantics users rely on (``torch.autograd.grad``, hooks, ``create_graph``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exactness import check_training
+from rockmate import CaptureError, Rockmate, UnsupportedOperation
+
+
+class ReturnsReused(nn.Module):
+    """An intermediate that is returned and read again: it must not be forgotten."""
+
+    def __init__(self, dropout: bool = False) -> None:
+        super().__init__()
+        self.lin, self.dropout = nn.Linear(16, 8), dropout
+
+    def forward(self, x):
+        h = self.lin(x)
+        first = F.dropout(h, 0.1, self.training) if self.dropout else h.sum(1)
+        return first, h
+
+
+class OutputWithoutGrad(nn.Module):
+    """An output computed from the input alone (no grad) next to one that requires grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return torch.cat([x, x], dim=1), self.lin(x)
+
+
+class UnusedDropout(nn.Module):
+    """Eager draws the unused dropout's numbers: the next dropout's mask depends on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x):
+        F.dropout(x, 0.5, self.training)
+        return F.dropout(self.lin(x), 0.1, self.training)
+
+
+class ThreeContributions(nn.Module):
+    """``h * h + h``: h's gradient is ``(g + g * h) + h * g`` in eager's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * h + h
+
+
+class PlainLayerNorm(nn.Module):
+    """A layer norm without parameters, and an output that does not require grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(16, 8))
+        self.ln = nn.LayerNorm(8, elementwise_affine=False)
+
+    def forward(self, x):
+        return self.ln(x @ self.W), x + x
+
+
+class UnusedBatchNorm(nn.Module):
+    """A batch norm whose output is unused: its running statistics are still updated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(16, 16), nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.bn(h)
+        return torch.relu(h)
+
+
+class TransposeOnly(nn.Module):
+    """No operation of its own: the output is a view of the input."""
+
+    def forward(self, x):
+        return x.transpose(0, 1)
+
+
+class MaskedFill(nn.Module):
+    """Parameter-free, with an input that requires grad."""
+
+    def forward(self, x):
+        return x.masked_fill(x > 0, 0.0)
+
+
+class Counter(nn.Module):
+    """A buffer updated in the forward, then read: recomputations read the value the first
+    computation read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 8)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count += 1
+        return torch.tanh(self.lin(x)) * self.count
+
+
+class OutputAndNext(nn.Module):
+    """An output that the next layer reads (the plan must hold it, and count it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 128)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h), h
+
+
+CASES = {
+    "returns_reused": (lambda: ReturnsReused(), (4, 8, 16), False),
+    "returns_reused_dropout": (lambda: ReturnsReused(dropout=True), (4, 8, 16), False),
+    "output_without_grad": (lambda: OutputWithoutGrad(), (4, 16, 32), False),
+    "unused_dropout": (lambda: UnusedDropout(), (4, 8, 16), False),
+    "three_contributions": (lambda: ThreeContributions(), (4, 8, 16), False),
+    "plain_layer_norm": (lambda: PlainLayerNorm(), (4, 8, 16), False),
+    "unused_batch_norm": (lambda: UnusedBatchNorm(), (8, 16), False),
+    "transpose_only": (lambda: TransposeOnly(), (4, 8, 16), True),
+    "masked_fill": (lambda: MaskedFill(), (4, 8, 16), True),
+    "counter": (lambda: Counter(), (4, 8, 16), False),
+    "output_and_next": (lambda: OutputAndNext(), (8, 16, 64), False),
+}
+
+
+def _build(name, dtype=torch.float32):
+    make, shape, requires_grad = CASES[name]
+    torch.manual_seed(0)
+    model = make().to(dtype)
+    x = torch.randn(*shape, dtype=dtype, generator=torch.Generator().manual_seed(1)).requires_grad_(requires_grad)
+    return model, x
+
+
+@pytest.mark.parametrize("solver", ["rockmate", "none", "checkmate"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_exact_at_full_budget_and_at_the_minimum(name, solver):
+    """Bitwise over 3 steps, allocator peak within the budget and the prediction, at eager's
+    peak and at the solver's minimum (every plan recomputes what it can there)."""
+    for fraction in (1.0, 0.0):
+        model, x = _build(name)
+        check_training(model, (x,), fraction, solver, at_minimum=True)
+
+
+def test_float64_at_the_minimum():
+    for name in ("three_contributions", "counter", "returns_reused_dropout"):
+        model, x = _build(name, torch.float64)
+        check_training(model, (x,), 0.0, at_minimum=True)
+
+
+def test_minimum_is_never_above_the_no_recomputation_peak_nor_that_above_eagers():
+    """The minimum budget of each solver is at most the plan without recomputation, whose
+    prediction is at most eager's allocator peak (outputs held through the step)."""
+    from exactness import DotLoss, eager_peak
+    from rockmate import min_budget
+
+    for name in sorted(CASES):
+        model, x = _build(name)
+        none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", cost_model="flops")
+        with torch.no_grad():
+            probe = copy.deepcopy(model)(x)
+        loss = DotLoss(probe)
+        assert none.plan.predicted_peak <= eager_peak(model, (x,), loss) + loss.copies(probe), name
+        for solver in ("rockmate", "rotor", "checkmate"):
+            assert min_budget(copy.deepcopy(model), x, solver=solver, cost_model="flops") <= none.plan.predicted_peak
+
+
+def test_item_in_forward_is_a_clear_error():
+    class Item(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h * h.sum().item()
+
+    with pytest.raises(UnsupportedOperation, match=r"aten.item .*line \d+.*\.item\(\)"):
+        Rockmate(Item(), torch.randn(4, 16), 10**9, cost_model="flops")
+
+
+def test_forward_hooks_are_a_clear_error():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    model[0].register_forward_hook(lambda module, args, output: None)
+    with pytest.raises(CaptureError, match=r"module '0' \(Linear\) has forward hooks"):
+        Rockmate(model, torch.randn(4, 8), 10**9, cost_model="flops")
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def test_autograd_grad_returns_the_gradients_and_leaves_grad_alone():
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 8, requires_grad=True)
+    compiled = Rockmate(model, x, 10**9, cost_model="flops")
+    expected = torch.autograd.grad(reference(x).square().sum(), list(reference.parameters()) + [x])
+    got = torch.autograd.grad(compiled(x).square().sum(), list(model.parameters()) + [x])
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert all(p.grad is None for p in model.parameters())
+    # the input only: no parameter gradient is written either
+    (gx,) = torch.autograd.grad(compiled(x).square().sum(), x)
+    assert torch.equal(gx, expected[-1]) and all(p.grad is None for p in model.parameters())
+    # backward(inputs=...) accumulates into those inputs only
+    compiled(x).square().sum().backward(inputs=[model[0].weight])
+    assert torch.equal(model[0].weight.grad, expected[0]) and model[2].weight.grad is None
+
+
+def test_parameter_hooks_run_once_with_the_whole_gradient():
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    compiled = Rockmate(model, x, 10**9, cost_model="flops")
+    calls = {"eager": [], "rockmate": []}
+    for key, module in (("eager", reference), ("rockmate", model)):
+        module[2].weight.register_hook(lambda g, key=key: calls[key].append(("hook", g.clone())))
+        module[2].weight.register_post_accumulate_grad_hook(lambda p, key=key: calls[key].append(("post", p.grad.clone())))
+    for _ in range(2):
+        reference(x).square().sum().backward()
+        compiled(x).square().sum().backward()
+    assert [k for k, _ in calls["rockmate"]] == [k for k, _ in calls["eager"]] == ["hook", "post"] * 2
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(calls["eager"], calls["rockmate"]))
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_create_graph_and_a_second_backward_are_clear_errors():
+    model = _mlp()
+    x = torch.randn(5, 8)
+    compiled = Rockmate(model, x, 10**9, cost_model="flops")
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        compiled(x).sum().backward(create_graph=True)
+    loss = compiled(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
