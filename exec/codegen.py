@@ -180,8 +180,8 @@ class _Generator:
             if name not in self.merged:
                 self.sink_names |= {out for out in info.exported if info.exported_requires_grad[out]}
         self.position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
+        self.contributions_waiting = False  # a backward ran since the last flush_gradients()
         self.split_aliases: list[str] = []  # aliases of the island being written
-        self.splits: set[str] = set()  # nodes whose island reads a leaf more than once
 
     # -- expressions ---------------------------------------------------------------------
     def bind(self, value: Any, hint: str) -> str:
@@ -249,7 +249,7 @@ class _Generator:
 
     def split_reads(self, w: _Writer, node: SimplifiedNode) -> dict[str, list[str]]:
         """Aliases for the leaves an island reads more than once (see
-        :class:`rkgb.gradsink.UseCollector`): writes one ``use(...)`` line per read and returns,
+        :class:`rkgb.gradsink.GradientQueue`): writes one ``use(...)`` line per read and returns,
         for each line that reads one, the source of each of its tensor arguments."""
         counts: dict[str, int] = {}
         for line in node.lines:
@@ -267,7 +267,8 @@ class _Generator:
                 if arg.name in split:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
                     self.split_aliases.append(alias)
-                    w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}))")
+                    is_global = ", True" if arg.name in self.input_names else ""
+                    w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}){is_global})")
                     sources.append(alias)
                 else:
                     sources.append(self.ref(arg.name))
@@ -327,7 +328,6 @@ class _Generator:
         if self.split_aliases:
             w("release_uses()")
             local_names += self.split_aliases
-            self.splits.add(name)
         if replayed and not first:
             w("rng_set(rng_outer); del rng_outer")
         exported = info.exported
@@ -346,7 +346,7 @@ class _Generator:
             if first:
                 # detach even without grad: a view keeps its base (and its memory) alive
                 if info.exported_requires_grad[out] and name not in self.merged:
-                    w(f"s.{out} = {out}.detach().requires_grad_(); s.sink_{out} = grad_sink(s.{out})")
+                    w(f"s.{out} = {out}.detach().requires_grad_(); s.sink_{out} = grad_sink(s.{out}, s.queue)")
                 else:
                     w(f"s.{out} = {out}.detach()")
             else:
@@ -403,19 +403,12 @@ class _Generator:
             islands = self.tuple(f"s.{self.island_names[o]}" for o in outs)
             grads = self.tuple(f"s.{o}.grad" for o in outs)
             w(f"backward_edges({islands}, {grads})")
-        if self.splits & self.merged_chain(name):
-            w("flush_uses()  # contributions of reads of one leaf, in eager's order")
         for out in outs:
             w(f"s.{self.island_names[out]} = None")
+        # its contributions join the next gradients when the next compute starts, after the
+        # forgets that follow it (the incoming gradient, the saved tensors): as eager's engine
+        self.contributions_waiting = True
         self.has_graph.discard(name)
-
-    def merged_chain(self, name: str) -> set[str]:
-        """``name`` and the nodes merged into its island (whose backwards its backward runs)."""
-        chain = {name}
-        while name in self.reads_raw:
-            name = self.reads_raw[name]
-            chain.add(name)
-        return chain
 
     def forget(self, w: _Writer, data_node: str) -> None:
         name, _, kind = data_node.rpartition(".")
@@ -452,7 +445,7 @@ class _Generator:
         w("island, finish_island = saved.island, saved.finish_island")
         w("register_data, unregister_data = saved.register_data, saved.unregister_data")
         w("free_phantoms = saved.free_phantoms")
-        w("use, release_uses, flush_uses = s.uses.alias, s.uses.release, s.uses.flush")
+        w("use, release_uses, flush_gradients = s.queue.alias, s.queue.release, s.queue.flush")
 
     def generate(self) -> str:
         ops = self.schedule.ops
@@ -464,11 +457,11 @@ class _Generator:
         self.header(w)
         for name, requires_grad in zip(self.input_names, self.input_requires_grad):
             if requires_grad:
-                w(f"s.{name} = {name}.detach().requires_grad_(); s.sink_{name} = grad_sink(s.{name})")
+                w(f"s.{name} = {name}.detach().requires_grad_(); s.sink_{name} = grad_sink(s.{name}, s.queue)")
             else:
                 w(f"s.{name} = {name}")
         for name in sorted(self.aliased_parameters):
-            w(f"s.param_{name} = {name}.detach().requires_grad_(); s.sink_param_{name} = grad_sink(s.param_{name})")
+            w(f"s.param_{name} = {name}.detach().requires_grad_(); s.sink_param_{name} = grad_sink(s.param_{name}, s.queue)")
         if self.snapshots:
             w.comment("buffers the step updates, as they are before it (recomputations read these)")
             for name, snapshot in self.snapshots.items():
@@ -517,11 +510,15 @@ class _Generator:
         if self.markers:
             w(f"with mark('{MARKER_PREFIX}{loss}'):")
             w("    backward_outputs(s.outputs, s.grad_outputs)")
+            w("    s.outputs = s.grad_outputs = None")
         else:
             w("backward_outputs(s.outputs, s.grad_outputs)")
-        w("s.outputs = s.grad_outputs = None")
+            w("s.outputs = s.grad_outputs = None")
+        self.contributions_waiting = True
         for index, op in enumerate(ops[loss + 1:], start=loss + 1):
             self.operation(w, op, index, forward_phase=False)
+        if self.contributions_waiting:
+            w("flush_gradients()")
         for name in shared:
             w(f"restore_grad({name}, s.stash_{name})")
         backward_source = ["def backward_phase(s):"] + w.lines
@@ -540,6 +537,9 @@ class _Generator:
         if isinstance(op, Forget):
             self.forget(w, op.node)
         elif isinstance(op, Compute):
+            if self.contributions_waiting:
+                w("flush_gradients()  # the contributions of the last backward join their gradients")
+                self.contributions_waiting = False
             if op.node == "loss":
                 raise ScheduleError("the schedule has two loss operations; it must have exactly one")
             name = self.target(op.node)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
-from rkgb.gradsink import GradSink, UseCollector, accumulate
+from rkgb.gradsink import GradientQueue, GradSink, accumulate
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
 from solvers.schedule import Schedule
@@ -39,7 +39,7 @@ class StepState:
 
     def __init__(self, saved: SavedTensors) -> None:
         self.saved = saved
-        self.uses = UseCollector()
+        self.queue = GradientQueue()  # gradient contributions waiting for their sinks
 
 
 # -- helpers called by the generated code ---------------------------------------------------

@@ -156,9 +156,17 @@ def _drop_lasting_aliases(backwards: list[ComputeNode], input_grad: str) -> None
 def held_bytes(graph: SimplifiedGraph, model: nn.Module) -> int:
     """The memory the executor holds through a step besides the nodes' data (see
     :class:`rkgb.cdgraph.ModelChain`): copies of the buffers the step updates and nodes read
-    (:meth:`SimplifiedGraph.snapshot_buffers`)."""
-    return sum(model.get_buffer(graph.captured.buffers[name]).untyped_storage().nbytes()
-               for name in graph.snapshot_buffers())
+    (:meth:`SimplifiedGraph.snapshot_buffers`), and the new values of buffers computed from
+    buffers alone (``num_batches_tracked + 1``, from the step's start to the forward's end)."""
+    snapshots = sum(model.get_buffer(graph.captured.buffers[name]).untyped_storage().nbytes()
+                    for name in graph.snapshot_buffers())
+    prologue = sum(_nbytes(line.meta["val"]) for line in graph.buffer_updates_prologue
+                   if line.name in graph.captured.buffer_mutations)
+    return snapshots + prologue
+
+
+def _nbytes(value) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, tuple[FirstRun, ...]]:
@@ -174,6 +182,12 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
             if node.is_random:
                 result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
                     FirstRun(f"{node.name}.rng", state, only_if_rerun=True))
+    for node in graph.nodes:
+        if node.buffer_updates:  # the buffers' new values, written when the forward ends
+            lines = {line.name: line for line in node.lines}
+            size = sum(_nbytes(lines[name].meta["val"]) for name in node.buffer_updates)
+            result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
+                FirstRun(f"{node.name}.buffer_update", size, until_loss=True))
     readers = graph.readers()
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):

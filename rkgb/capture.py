@@ -109,6 +109,43 @@ def restore_dropout(graph: torch.fx.Graph, device: torch.device, renamed: dict[s
     return replaced
 
 
+def differentiable_copies(graph: torch.fx.Graph, renamed: dict[str, str] | None = None) -> int:
+    """Replace the functional ``aten.copy(self, src)`` (what ``x.copy_(src)`` and ``x[i] = src``
+    become once functionalized: ``src`` in ``self``'s shape and dtype), which autograd cannot
+    differentiate, by the same values made differentiably: ``src`` expanded to ``self``'s shape
+    and converted to its dtype (``_to_copy``), or cloned when nothing changes. ``self``'s values
+    are overwritten: it gets no gradient, as in eager. Returns how many were replaced;
+    ``renamed`` receives the old name -> new name of each (the export's signature names
+    outputs)."""
+    aten = torch.ops.aten
+    replaced = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy.default:
+            continue
+        target, src = node.args[0], node.args[1]
+        value, source = node.meta["val"], src.meta["val"]
+        with graph.inserting_before(node):
+            current = src
+            if tuple(source.shape) != tuple(value.shape):
+                current = graph.call_function(aten.expand.default, (current, list(value.shape)))
+                with value.fake_mode:
+                    current.meta["val"] = source.expand(value.shape)
+            if source.dtype != value.dtype or source.device != value.device:
+                copy = graph.call_function(aten._to_copy.default, (current,),
+                                           {"dtype": value.dtype, "device": value.device})
+            else:
+                copy = graph.call_function(aten.clone.default, (current,))
+        copy.meta = dict(node.meta)
+        if renamed is not None:
+            renamed[node.name] = copy.name
+        node.replace_all_uses_with(copy)
+        graph.erase_node(node)
+        replaced += 1
+    if replaced:
+        graph.lint()
+    return replaced
+
+
 def _cpu_dropout(graph: torch.fx.Graph, x: torch.fx.Node, p: float, value, draw_only: bool = False) -> torch.fx.Node:
     """Eager's CPU dropout (ATen's ``_dropout_impl``: ``noise = empty_like(x)``,
     ``noise.bernoulli_(1 - p)``, ``noise.div_(1 - p)``, ``x * noise``), with the random draw
@@ -204,6 +241,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
 
     renamed: dict[str, str] = {}
     restore_dropout(exported.graph, device_of(model, args), renamed)
+    differentiable_copies(exported.graph, renamed)
     signature = exported.graph_signature
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}
@@ -235,7 +273,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         if spec.kind is OutputKind.USER_OUTPUT:
             user_outputs.append(renamed.get(spec.arg.name, spec.arg.name))
         elif spec.kind is OutputKind.BUFFER_MUTATION:
-            buffer_mutations[spec.arg.name] = spec.target
+            buffer_mutations[renamed.get(spec.arg.name, spec.arg.name)] = spec.target
         else:
             raise CaptureError(
                 f"unsupported output kind {spec.kind} for {spec.arg.name!r}: Rockmate supports "

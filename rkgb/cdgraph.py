@@ -318,11 +318,13 @@ class FirstRun:
     """Memory that a compute node allocates at its first run and the executor keeps to the end
     of the step (``ModelChain.first_run_bytes``), shared by the nodes with the same ``key``.
     ``only_if_rerun``: allocated only when the node runs again later (the generator state of
-    a random node, saved to replay it)."""
+    a random node, saved to replay it). ``until_loss``: freed when the forward ends (the new
+    values of buffers, written into them then)."""
 
     key: str
     bytes: int
     only_if_rerun: bool = False
+    until_loss: bool = False
 
 
 @dataclass

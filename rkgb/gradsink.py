@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["GradSink", "UseCollector", "accumulate"]
+__all__ = ["GradSink", "GradientQueue", "accumulate"]
 
 
 class GradSink:
@@ -30,26 +30,34 @@ class GradSink:
     backward passes its incoming gradient itself to both its inputs). The copy of a slice
     (cat's backward) keeps the sink from holding the whole bigger gradient after the plan
     forgets it.
+
+    With a :class:`GradientQueue`, a contribution waits in it until the backward that made it
+    has let go of its own incoming gradient and saved tensors (:meth:`GradientQueue.flush`), as
+    eager's engine adds a node's outputs into the next buffers only after releasing its inputs.
+    ``last_key`` is the storage of the last contribution (to tell an alias of the incoming
+    gradient, for the inspection).
     """
 
-    __slots__ = ("leaf", "owned", "node", "calls", "__weakref__")
+    __slots__ = ("leaf", "owned", "node", "calls", "last_key", "__weakref__")
 
-    def __init__(self, leaf: torch.Tensor) -> None:
+    def __init__(self, leaf: torch.Tensor, queue: "GradientQueue | None" = None) -> None:
         self.leaf = leaf
         self.owned = False
         self.calls = 0  # contributions received (for the inspection)
+        self.last_key = 0
         # the sink keeps the leaf's AccumulateGrad alive (the leaf holds it weakly); the node's
         # hook refers back to the sink weakly: a strong reference would make a cycle through
         # C++ that only Python's garbage collector frees, so that every step's state (its
         # outputs' data and gradients) would outlive the step until the next collection
         self.node = get_gradient_edge(leaf).node
         sink = weakref.ref(self)
-        self.node.register_prehook(lambda grad_outputs: _deliver(sink, grad_outputs))
+        self.node.register_prehook(lambda grad_outputs: _deliver(sink, queue, grad_outputs))
 
     def __call__(self, grad_outputs):
         grad = grad_outputs[0]
         if grad is not None:
             self.calls += 1
+            self.last_key = grad.untyped_storage().data_ptr()
             self.leaf.grad, self.owned = accumulate(self.leaf.grad, self.owned, grad)
         return (None,)
 
@@ -71,27 +79,37 @@ def accumulate(old: torch.Tensor | None, owned: bool, grad: torch.Tensor) -> tup
     return old + grad, True
 
 
-def _deliver(sink: "weakref.ref[GradSink]", grad_outputs):
-    """The prehook of a sink's ``AccumulateGrad``: the sink takes the gradient, the node
-    accumulates nothing."""
+def _deliver(sink: "weakref.ref[GradSink]", queue: "GradientQueue | None", grad_outputs):
+    """The prehook of a sink's ``AccumulateGrad``: the sink takes the gradient (now, or when
+    ``queue`` is flushed), the node accumulates nothing."""
     target = sink()
-    if target is not None:
-        target(grad_outputs)
+    grad = grad_outputs[0]
+    if target is not None and grad is not None:
+        if queue is None:
+            target(grad_outputs)
+            return (None,)
+        if target.leaf.grad is None and grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+            grad = grad.clone()  # a slice of a bigger gradient (cat's backward): copied as it comes
+        queue.pending.append((None, target, grad))
     return (None,)
 
 
-class UseCollector:
-    """Gives each read of a leaf inside one island its own alias, and hands the gradient
-    contributions of those reads to the leaf's :class:`GradSink` one by one, in eager's order.
+class GradientQueue:
+    """The gradient contributions of one backward that wait for their sinks, and the aliases
+    that give each read of a leaf its own contribution.
+
+    Contributions wait (:class:`GradSink` with a queue) until the backward that made them has
+    let go of its incoming gradient and saved tensors, and :meth:`flush` hands them over: eager's
+    engine adds a node's outputs into the next buffers only after releasing its inputs.
 
     Eager PyTorch adds every contribution to a tensor's gradient into one buffer, in the order
     the engine produces them: autograd nodes in decreasing creation order, and the outputs of
     one node in argument order (``h * h + h``: ``(g_add + g_mul0) + g_mul1``). An island that
     reads a leaf twice (``mul(h, h)``) would let the engine sum its two contributions before the
     sink sees them (``g_add + (g_mul0 + g_mul1)``), which rounds differently. So each read gets
-    an alias (:meth:`alias`) whose ``AccumulateGrad`` keeps its contribution aside with the rank
-    of the read, ``(-position of the line, argument index)``, and :meth:`flush`, called after the
-    island's backward, passes them to the sinks in rank order.
+    an alias (:meth:`alias`) whose ``AccumulateGrad`` queues its contribution with the rank of
+    the read, ``(-position of the line, argument index)``, and :meth:`flush` passes a sink's
+    ranked contributions in rank order.
 
     :meth:`release`, called when the island's lines have run, lets go of the aliases' data: the
     island's graph keeps their ``AccumulateGrad`` nodes (and so the aliases), which must not keep
@@ -99,14 +117,19 @@ class UseCollector:
     through :class:`rkgb.saved.SavedTensors`, never through an alias.
     """
 
-    __slots__ = ("pending", "fresh")
+    __slots__ = ("pending", "fresh", "kept")
 
     def __init__(self) -> None:
-        self.pending: list[tuple[tuple[int, int], GradSink, torch.Tensor]] = []
+        # (rank or None, sink, contribution), in the order the engine made them
+        self.pending: list[tuple[tuple[int, int] | None, GradSink, torch.Tensor]] = []
         self.fresh: list[tuple[torch.Tensor, object]] = []  # aliases of the island being built
+        self.kept: list[object] = []  # the AccumulateGrad nodes of aliases of globals, until then
 
-    def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int]) -> torch.Tensor:
-        """A leaf sharing ``leaf``'s data whose gradient goes to ``sink`` at :meth:`flush`."""
+    def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int], is_global: bool = False) -> torch.Tensor:
+        """A leaf sharing ``leaf``'s data whose gradient goes to ``sink`` at :meth:`flush`.
+
+        ``is_global``: ``leaf`` is a model input, alive through the step: saved tensors keep the
+        alias itself, whose data :meth:`release` must leave alone."""
         alias = leaf.detach().requires_grad_()
         pending = self.pending
 
@@ -117,7 +140,10 @@ class UseCollector:
 
         node = get_gradient_edge(alias).node
         node.register_prehook(keep)
-        self.fresh.append((alias, node))  # the node lives while the island's graph holds it
+        if not is_global:
+            self.fresh.append((alias, node))  # the node lives while the island's graph holds it
+        else:
+            self.kept.append(node)
         return alias
 
     def release(self) -> None:
@@ -125,9 +151,17 @@ class UseCollector:
         for alias, _ in self.fresh:
             alias.data = torch.empty((), dtype=alias.dtype, device=alias.device).expand(alias.shape)
         self.fresh.clear()
+        self.kept.clear()
 
     def flush(self) -> None:
-        """Pass the contributions kept since the last flush to their sinks, in eager's order."""
-        pending, self.pending[:] = sorted(self.pending, key=lambda entry: entry[0]), []
-        for _, sink, grad in pending:
-            sink((grad,))
+        """Hand the waiting contributions to their sinks: each sink's in the engine's order, or
+        in the ranks' order for the reads of a leaf read more than once."""
+        pending, self.pending[:] = list(self.pending), []
+        by_sink: dict[int, list] = {}
+        for entry in pending:
+            by_sink.setdefault(id(entry[1]), []).append(entry)
+        for entries in by_sink.values():
+            if entries[0][0] is not None:
+                entries.sort(key=lambda entry: entry[0])
+            for _, sink, grad in entries:
+                sink((grad,))

@@ -30,7 +30,7 @@ from .blocks import Block, Chain
 from .capture import as_input_tuple, device_of
 from .interpret import global_requires_grad, initial_environment, run_lines, tensor_args
 from .memory import measure_allocator_peak
-from .gradsink import GradSink, UseCollector
+from .gradsink import GradientQueue, GradSink
 from .saved import SavedTensors, storage_key
 from .simplify import SimplifiedGraph, SimplifiedNode, gradient_needs
 
@@ -206,6 +206,10 @@ def inspect_chain(
             if layouts is None:
                 layouts = gradient_layouts(graph, model, sample) or {}
             env = initial_environment(graph, model, sample)
+            # the inputs' gradients are collected as the executor collects them
+            queue = GradientQueue()
+            input_sinks = {name: GradSink(env[name], queue) for name in graph.captured.inputs
+                           if name is not None and isinstance(env[name], torch.Tensor) and env[name].requires_grad}
             with torch.no_grad():
                 for p in model.parameters():
                     if p.requires_grad and p.grad is None:
@@ -214,7 +218,7 @@ def inspect_chain(
                 for block in chain.blocks:
                     if block.index in representatives:
                         measures[representatives[block.index]] = _inspect_block(
-                            graph, block, env, model, clock, device, representatives[block.index], layouts, needs
+                            graph, block, env, model, clock, device, representatives[block.index], layouts, needs, input_sinks, queue
                         )
                     remaining = [b for b in chain.blocks[block.index + 1 :] if b.index in representatives]
                     if all(_floating_input(graph, b) for b in remaining):
@@ -223,7 +227,7 @@ def inspect_chain(
                         for later in remaining:
                             _synthesize_input(graph, later, env, device)
                             measures[representatives[later.index]] = _inspect_block(
-                                graph, later, env, model, clock, device, representatives[later.index], layouts, needs
+                                graph, later, env, model, clock, device, representatives[later.index], layouts, needs, input_sinks, queue
                             )
                         break
                     for name in block.nodes:
@@ -279,32 +283,25 @@ def _drop(node: SimplifiedNode, env) -> None:
 
 
 class _GradState:
-    """Which parts of gradients the simulator holds and owns (``solvers.simulate``'s rules).
+    """Which parts of gradients the simulator holds (``solvers.simulate``'s rules).
 
-    The temporary memory of a backward is what the run measured above what the simulator
-    adds for the gradients it produces, computed here with the simulator's own rules: a first
-    contribution to a part is new memory unless it is an alias of a part of the incoming
-    gradient; a contribution to a part that the simulator holds but does not own is a new
-    tensor (``old + grad``); one to an owned part is added in place.
+    The temporary memory of a backward is what the run measured (until its engine call ends)
+    above what the simulator adds for the gradients it produces, computed here with the
+    simulator's own rules: every contribution (the first, the gradient's own, or one waiting to
+    join a gradient alive) is new memory unless it is an alias of a part of the incoming
+    gradient; the sums made when waiting contributions join are the simulator's flush.
     """
 
     def __init__(self) -> None:
         self.alive: set[tuple[str, int]] = set()
-        self.owned: set[tuple[str, int]] = set()
 
     def produce(self, part: tuple[str, int], size: int, alias: bool) -> int:
         """Record a contribution to ``part``; return the bytes the simulator adds for it."""
-        if part not in self.alive:
-            self.alive.add(part)
-            return 0 if alias else size
-        if part in self.owned:
-            return 0
-        self.owned.add(part)
-        return size
+        self.alive.add(part)
+        return 0 if alias else size
 
     def forget(self, node: str) -> None:
         self.alive = {p for p in self.alive if p[0] != node}
-        self.owned = {p for p in self.owned if p[0] != node}
 
 
 def _output_gradient(leaf: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
@@ -363,7 +360,8 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
     return record
 
 
-def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts, needs) -> BlockMeasure:
+def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts, needs,
+                   input_sinks: dict[str, GradSink], queue: GradientQueue) -> BlockMeasure:
     """Run one block node by node exactly as the executor runs it, and measure each node.
 
     Each node is an autograd island over all its lines; the tensors other nodes read (its
@@ -380,17 +378,15 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     # an input's gradient is the step's first-run memory (rkgb.build.first_run_bytes), not a
     # backward's temporary
     params = [v for v in globals_ if v.requires_grad and v.is_leaf]
-    model_inputs = {name for name in graph.captured.inputs if name is not None}
-    input_leaves = [v for k, v in outer_env.items() if k in model_inputs and isinstance(v, torch.Tensor) and v.requires_grad]
+    input_leaves = [sink.leaf for sink in input_sinks.values()]
     env = dict(outer_env)
     leaves: dict[str, list[torch.Tensor]] = {}
     # the leaves that require grad, with their sinks: the parts of the node's gradient
     grad_leaves: dict[str, list[tuple[torch.Tensor, GradSink]]] = {}
     grad_names: dict[str, list[str]] = {}
     islands: dict[str, list[torch.Tensor]] = {}
-    sink_of: dict[str, GradSink] = {}  # fx name of a leaf -> its sink
-    aliases: dict[str, list[torch.Tensor]] = {}  # island -> its per-read aliases (UseCollector)
-    uses = UseCollector()
+    sink_of: dict[str, GradSink] = dict(input_sinks)  # fx name of a leaf -> its sink
+    aliases: dict[str, list[torch.Tensor]] = {}  # island -> its per-read aliases (GradientQueue)
     position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
     state = _GradState()
 
@@ -400,7 +396,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             leaf = value.detach()
             if needs[node.name].exported.get(fx_name, False):
                 leaf.requires_grad_()
-                parts.append((leaf, GradSink(leaf)))
+                parts.append((leaf, GradSink(leaf, queue)))
                 part_names.append(fx_name)
             env[fx_name] = leaf
             made.append(leaf)
@@ -441,7 +437,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
 
             def forward_with_grad():
                 with saved.island(name), torch.set_grad_enabled(requires_grad):
-                    aliases[name] = run_island_lines(lines, env, sink_of, uses, position)
+                    aliases[name] = run_island_lines(lines, env, sink_of, queue, position)
                 values = [env[n] for n in exported]
                 saved.finish_island(name, values)
                 result["exported"] = values
@@ -504,14 +500,18 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True),
                     measure.data_bytes + new_grad_bytes,
                 )
-
-                def backward():
-                    torch.autograd.backward(outputs, grads)
-                    uses.flush()
-
+                box = {"grads": grads}
+                grads = pairs = None
                 for leaf in input_leaves:
                     leaf.grad = None
-                peak = meter.measure(backward)
+                # as the executor: the engine runs, the incoming gradient and the phantoms go,
+                # then the contributions join the next gradients (the simulator's flush: not a
+                # temporary of this backward)
+                peak = meter.measure(lambda: torch.autograd.backward(outputs, box.pop("grads")))
+                for leaf in leaves[name]:
+                    leaf.grad = None
+                saved.free_phantoms(name)
+                queue.flush()
                 peak -= _storage_bytes([leaf.grad for leaf in input_leaves if leaf.grad is not None])
                 for leaf in input_leaves:
                     leaf.grad = None
@@ -525,8 +525,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     source = -1
                     if sink.calls > calls[d][i]:
                         contributed.append(i)
-                        if (d, i) not in state.alive:
-                            source = incoming.get(storage_key(leaf.grad), -1)
+                        if sink.calls == calls[d][i] + 1:  # one contribution: the incoming gradient?
+                            source = incoming.get(sink.last_key, -1)
                         added += state.produce((d, i), sizes[i], source >= 0)
                     sources.append(source)
                 if len(contributed) < len(sizes):
@@ -551,10 +551,10 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     )
 
 
-def run_island_lines(lines, env, sinks: dict[str, GradSink], uses: UseCollector, position: dict[str, int]) -> list[torch.Tensor]:
+def run_island_lines(lines, env, sinks: dict[str, GradSink], queue: GradientQueue, position: dict[str, int]) -> list[torch.Tensor]:
     """Run an island's lines as the executor does (:func:`exec.codegen`): each read of a leaf
     that the island reads more than once goes through its own alias
-    (:class:`rkgb.gradsink.UseCollector`). Returns the aliases made."""
+    (:class:`rkgb.gradsink.GradientQueue`). Returns the aliases made."""
     reads: dict[str, int] = {}
     for line in lines:
         for arg in tensor_args(line):
@@ -568,13 +568,13 @@ def run_island_lines(lines, env, sinks: dict[str, GradSink], uses: UseCollector,
             k = next(index)
             if arg.name not in split:
                 return env[arg.name]
-            alias = uses.alias(env[arg.name], sinks[arg.name], (-position[line.name], k))
+            alias = queue.alias(env[arg.name], sinks[arg.name], (-position[line.name], k))
             made.append(alias)
             return alias
 
         args, kwargs = torch.fx.node.map_arg((line.args, line.kwargs), fetch)
         env[line.name] = line.target(*args, **kwargs)
-    uses.release()
+    queue.release()
     return made
 
 

@@ -181,8 +181,9 @@ class RkCheckmateILP:
 
         # constant memory: gradients (made by backwards / the loss), alive at the start of each
         # stage, and what each backward / the loss adds while it runs (aliases, accumulations)
-        grad_start, grad_added = gradient_profile(graph, protected)
+        grad_start, grad_added, grad_flush = gradient_profile(graph, protected)
         const_alive = [b / self.unit for b in grad_start]
+        const_flush = [b / self.unit for b in grad_flush]
 
         prob = pulp.LpProblem(f"rk_checkmate_{graph.name}", pulp.LpMinimize)
         self.prob = prob
@@ -302,6 +303,8 @@ class RkCheckmateILP:
             prob += before == pulp.lpSum(size[d] * alive_at_start[t, d] for d in alive_by_stage[t])
             if t == loss:
                 prob += before + const_alive[t] <= self.save_var
+            if grad_flush[t] > grad_start[t]:  # the previous backward's contributions join
+                prob += before + const_flush[t] <= self.peak_var
             for i, (k, r) in enumerate(slots):
                 node = nodes[k]
                 x = run(r)

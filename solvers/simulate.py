@@ -15,10 +15,13 @@ Rematerialization", MLSys 2020). The memory model is the one of ``rkgb.cdgraph``
   node a forward produces, counted in full even when that node is already alive (a
   recomputation holds the old and the new copy until the operation ends); for each gradient
   a backward (or the loss) produces, as the executor accumulates it (autograd's
-  ``InputBuffer``): a first contribution is new memory unless it is an alias; a second one is
-  a new tensor (``old + grad``) that the gradient then owns, the old one being released when
-  the operation ends; later ones are added in place (nothing new). Contributions themselves,
-  when they are not kept, are part of the temporary memory;
+  ``InputBuffer``): a first contribution is the gradient's (new memory unless it is an alias
+  of a part of the backward's own gradient); a contribution to a gradient that is alive waits
+  (new memory unless it is such an alias) until the next compute node starts (or the schedule
+  ends): as eager's engine, which adds a node's outputs into the next buffers only after
+  releasing its inputs, the executor adds it after the forgets that follow the backward. Then
+  a second contribution becomes a new tensor (``old + grad``) that the gradient owns, the old
+  one released; later ones are added in place (nothing new);
 - ``Compute(fwd_x, with_grad=False)`` produces no phantoms;
 - ``bwd_x`` needs, besides its ``needs``, ``x.grad`` and ``x.phantoms`` (when those nodes
   exist), and consumes the phantoms: they cannot serve another backward;
@@ -92,6 +95,8 @@ class _Storages:
         self.holders: dict[int, int] = {}
         self.bytes: dict[int, int] = {}
         self.owned: set[tuple[str, int]] = set()  # parts holding a sum made by accumulation
+        # contributions waiting to be added into alive gradients: (node, part, storage)
+        self.pending: list[tuple[str, int, int]] = []
         self.memory = 0
         self._next = 0
 
@@ -130,27 +135,55 @@ class _Storages:
                 self._release(storage)
             self.owned.discard((d, i))
 
+    def _new(self, size: int) -> int:
+        """A new storage of ``size`` bytes held once (by a waiting contribution)."""
+        self._next += 1
+        self.bytes[self._next] = size
+        self.holders[self._next] = 1
+        self.memory += size
+        return self._next
+
     def compute(self, node: ComputeNode, outputs: list[str]) -> int:
-        """Apply ``node``'s productions; return the new bytes it holds while it runs."""
+        """Apply ``node``'s productions; return the new bytes it holds while it runs (those of
+        the contributions that wait for :meth:`flush` included)."""
         if node.kind is ComputeKind.FORWARD:
             return sum(self.add(d) for d in outputs)
-        added = 0
+        before = self.memory
         own = self.storage.get(data_name(node.target, DataKind.GRAD))
         for d in outputs:
             count = len(self.graph.data(d).part_sizes)
             parts = self.storage.setdefault(d, [None] * count)
             sources = node.aliases.get(d, ())
             for i in node.contributes.get(d, range(count)):
-                if parts[i] is None:
-                    j = sources[i] if i < len(sources) else -1
-                    if j >= 0 and own is not None and own[j] is not None:
-                        self._hold(d, i, own[j])
+                j = sources[i] if i < len(sources) else -1
+                alias = own[j] if j >= 0 and own is not None and own[j] is not None else None
+                if parts[i] is None:  # the first contribution: the gradient's own
+                    if alias is not None:
+                        self._hold(d, i, alias)
                     else:
-                        added += self._hold_new(d, i)
-                elif (d, i) not in self.owned:
-                    added += self._hold_new(d, i)
-                    self.owned.add((d, i))
-        return added
+                        self._hold_new(d, i)
+                    continue
+                # a contribution to a gradient alive: it waits for the flush
+                if alias is not None:
+                    self.holders[alias] += 1
+                    storage = alias
+                else:
+                    size = 0 if d in self.uncounted else self.graph.data(d).part_sizes[i]
+                    storage = self._new(size)
+                self.pending.append((d, i, storage))
+        return self.memory - before
+
+    def flush(self) -> int:
+        """Add the waiting contributions into their gradients; return the peak while it runs."""
+        peak = self.memory
+        for d, i, storage in self.pending:
+            if (d, i) not in self.owned:  # old + grad: a new tensor, then the old one goes
+                peak = max(peak, self.memory + (0 if d in self.uncounted else self.graph.data(d).part_sizes[i]))
+                self._hold_new(d, i)
+                self.owned.add((d, i))
+            self._release(storage)  # the contribution
+        self.pending.clear()
+        return peak
 
 
 def phantoms_of(graph: CDGraph, node: ComputeNode) -> str | None:
@@ -207,9 +240,9 @@ def simulate(
         Memory that compute nodes allocate at their first run and the executor keeps to the end
         of the step, by key (``ModelChain.first_run_bytes``: the generator state of a random
         node, the gradient of a model input): the first run of a node with a key allocates it
-        (for ``only_if_rerun`` keys, only when the node runs again later in ``schedule``); a
-        later one holds that much more while it runs (a replay saves the outer state, an
-        accumulation adds into a new tensor).
+        (for ``only_if_rerun`` keys, only when the node runs again later in ``schedule``;
+        ``until_loss`` keys are freed at the loss); a later run holds that much more while it
+        runs (a replay saves the outer state, an accumulation adds into a new tensor).
 
     Returns
     -------
@@ -279,6 +312,13 @@ def simulate(
         if not graph.has_compute(op.node):
             raise InvalidSchedule(f"{where(i, op)}: unknown compute node {op.node!r}")
         node = graph.compute(op.node)
+        # the contributions of the previous backward join their gradients (the executor
+        # flushes them as the next compute starts)
+        flushed = storages.flush() + kept
+        memory = storages.memory
+        if flushed > peak:
+            peak, peak_index = flushed, i
+        backward_peak = max(backward_peak, flushed) if after_loss else backward_peak
         if node.kind is not ComputeKind.FORWARD:
             if node.name in ran_once:
                 raise InvalidSchedule(
@@ -288,6 +328,12 @@ def simulate(
         if node.kind is ComputeKind.LOSS:
             if after_loss:
                 raise InvalidSchedule(f"{where(i, op)}: second loss")
+            # what the forward keeps only to its end (the buffers' new values) is gone
+            for entries in (first_run_bytes or {}).values():
+                for entry in entries:
+                    if entry.until_loss and entry.key in first_runs:
+                        first_runs.discard(entry.key)
+                        kept -= entry.bytes
             alive_after_forward = set(alive)
             saved = memory
             after_loss = True
@@ -318,7 +364,7 @@ def simulate(
                 first_runs.add(entry.key)
                 kept += entry.bytes
         during = memory + kept + again + node.overhead(op.with_grad or node.kind is not ComputeKind.FORWARD) + added
-        memory_during.append(during)
+        memory_during.append(max(during, flushed))
         if during > peak:
             peak, peak_index = during, i
         if node.kind is ComputeKind.FORWARD and not after_loss:
@@ -339,6 +385,12 @@ def simulate(
             phantoms = phantoms_of(graph, node)
             if phantoms is not None:
                 consumed.add(phantoms)
+    flushed = storages.flush() + kept
+    if flushed > peak:
+        peak, peak_index = flushed, len(ops) - 1
+    if after_loss:
+        backward_peak = max(backward_peak, flushed)
+    memory = storages.memory
     return SimulationResult(
         peak_bytes=peak,
         time_s=time_s,
@@ -355,16 +407,19 @@ def simulate(
     )
 
 
-def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], list[int]]:
+def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], list[int], list[int]]:
     """The memory of the gradients along the graph's own order of compute nodes.
 
     Gradients are made by the loss and the backwards only, each of which runs once, in the
     graph's order (every schedule of a solver keeps that order and only adds forwards): their
     memory does not depend on the schedule. With the forgetting of
     :func:`schedule_from_computes` (after the last use; never ``protected`` nodes) and the
-    simulator's rules (aliases, accumulation), returns ``start[t]``, the bytes of gradient
-    storages alive when compute node ``t`` starts (``start[len(nodes)]``: at the end), and
-    ``added[t]``, the new bytes that compute node ``t`` holds while it runs.
+    simulator's rules (aliases, accumulation, contributions waiting for the next compute
+    node), returns ``start[t]``, the bytes of gradient storages alive when compute node ``t``
+    starts (``start[len(nodes)]``: at the end), ``added[t]``, the new bytes that compute node
+    ``t`` holds while it runs, and ``flush[t]``, the peak of the gradients' bytes while the
+    contributions of the backward before ``t`` join their gradients (before ``t`` starts: in a
+    schedule, before the first compute node after that backward).
     """
     nodes = graph.compute_nodes
     made_by_forward = {d for c in nodes if c.kind is ComputeKind.FORWARD for d in operation_outputs(graph, c, True)}
@@ -378,7 +433,9 @@ def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], li
     storages = _Storages(graph, set(graph.input_data))
     start = [0] * (len(nodes) + 1)
     added = [0] * len(nodes)
+    flush = [0] * (len(nodes) + 1)
     for i, c in enumerate(nodes):
+        flush[i] = storages.flush()
         start[i] = storages.memory
         if c.kind is ComputeKind.FORWARD:
             continue
@@ -387,8 +444,9 @@ def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], li
         for d in dict.fromkeys(effective_needs(graph, c) + outputs):
             if d in storages.storage and d in grads and d not in protected and last_event.get(d) == i:
                 storages.forget(d)
+    flush[len(nodes)] = storages.flush()
     start[len(nodes)] = storages.memory
-    return start, added
+    return start, added, flush
 
 
 def schedule_from_computes(

@@ -113,9 +113,13 @@ def test_an_add_passes_one_gradient_to_both_inputs():
     alive_before = 8  # a.phantoms 2 + r.grad 6
     assert memory[str(Compute("bwd_r"))] == alive_before
     assert memory[str(Forget("r.grad"))] == alive_before  # in.grad and a.grad still hold it
-    # bwd_a adds to in.grad out of place: a new 6-byte tensor while the shared one lives on
+    # bwd_a's contribution to in.grad is a new 6-byte tensor, which waits (as eager's engine
+    # adds a node's outputs only after releasing its inputs) while the shared one lives on
     assert memory[str(Compute("bwd_a"))] == alive_before + 6
-    assert memory[str(Forget("a.grad"))] == 2 + 6  # the shared tensor is gone with its last holder
+    assert memory[str(Forget("a.grad"))] == 2 + 6 + 6
+    assert memory[str(Forget("a.phantoms"))] == 6 + 6
+    # at the end it joins in.grad out of place (a sum of 6 while both live: 18), then the
+    # shared tensor and the contribution go
     assert result.memory_at_end == 6 and result.peak_bytes == 25
 
 
