@@ -172,8 +172,10 @@ class _Generator:
                 taken.add(name)
                 self.island_names[out] = name
         self.buffer_updates: list[tuple[str, str]] = []  # (buffer global, local value)
-        # buffers updated by the step and read by nodes: read from a copy made at the start
-        self.snapshots = {name: f"s.snapshot_{name}" for name in graph.snapshot_buffers()}
+        # buffers the step updates that a node recomputed in the backward phase reads: copied
+        # when the forward ends, before the update, and read from the copy afterwards
+        self.phase = "forward"
+        self.snapshots: dict[str, str] = {}
         # leaves whose gradient a GradSink collects: node outputs and inputs that require grad
         self.sink_names = {name for name, flag in zip(self.input_names, input_requires_grad) if flag}
         for name, info in infos.items():
@@ -181,6 +183,14 @@ class _Generator:
                 self.sink_names |= {out for out in info.exported if info.exported_requires_grad[out]}
         self.position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
         self.contributions_waiting = False  # a backward ran since the last flush_gradients()
+        snapshot = set(graph.snapshot_buffers())
+        for node in graph.nodes:
+            if node.name in self.recomputed:
+                for name in graph.reads(node) & snapshot:
+                    self.snapshots[name] = f"s.snapshot_{name}"
+        for view in graph.global_views:  # views of a copied buffer are remade from the copy
+            if graph.owner.get(view.name) in self.snapshots:
+                self.snapshots[view.name] = f"s.snapshot_{view.name}"
         self.split_aliases: list[str] = []  # aliases of the island being written
 
     # -- expressions ---------------------------------------------------------------------
@@ -193,7 +203,7 @@ class _Generator:
     def ref(self, fx_name: str) -> str:
         if fx_name in self.local_values:
             return self.local_values[fx_name]
-        if fx_name in self.snapshots:
+        if self.phase == "backward" and fx_name in self.snapshots:
             return self.snapshots[fx_name]
         if fx_name in self.aliased_parameters:
             return f"s.param_{fx_name}"
@@ -255,8 +265,9 @@ class _Generator:
         for line in node.lines:
             for arg in tensor_args(line):
                 counts[arg.name] = counts.get(arg.name, 0) + 1
+        own = {line.name for line in node.lines}
         split = {name for name, count in counts.items()
-                 if count > 1 and name in self.sink_names and name not in self.local_values}
+                 if count > 1 and name in self.sink_names and name not in self.local_values and name not in own}
         reads: dict[str, list[str]] = {}
         for line in node.lines:
             args = tensor_args(line)
@@ -462,14 +473,22 @@ class _Generator:
                 w(f"s.{name} = {name}")
         for name in sorted(self.aliased_parameters):
             w(f"s.param_{name} = {name}.detach().requires_grad_(); s.sink_param_{name} = grad_sink(s.param_{name}, s.queue)")
-        if self.snapshots:
-            w.comment("buffers the step updates, as they are before it (recomputations read these)")
-            for name, snapshot in self.snapshots.items():
-                w(f"{snapshot} = {name}.clone()")
         if self.graph.global_views:
             w.comment("views of parameters, buffers and inputs")
             for line in self.graph.global_views:
                 w(f"s.{line.name} = {self.call(line)}")
+        for index, op in enumerate(ops[:loss]):
+            self.operation(w, op, index, forward_phase=True)
+        buffers = {name for name in self.snapshots if name in self.graph.captured.buffers}
+        if buffers:
+            w.comment("buffers the step updates, as they are before it (recomputations read these)")
+            for name in sorted(buffers):
+                w(f"{self.snapshots[name]} = {name}.clone()")
+            self.local_values = {name: self.snapshots[name] for name in buffers}
+            for view in self.graph.global_views:
+                if view.name in self.snapshots:
+                    w(f"{self.snapshots[view.name]} = {self.call(view)}")
+            self.local_values = {}
         if self.graph.buffer_updates_prologue:
             w.comment("buffer updates computed from buffers alone (once per step)")
             for line in self.graph.buffer_updates_prologue:
@@ -481,8 +500,6 @@ class _Generator:
                 if name in self.local_values:
                     self.buffer_updates.append((self._buffer_global(path), self.local_values[name]))
             self.local_values = {}
-        for index, op in enumerate(ops[:loss]):
-            self.operation(w, op, index, forward_phase=True)
         if self.buffer_updates:
             w.comment("new values of the buffers, once per step (never on recomputation)")
             w("with no_grad():")
@@ -497,6 +514,7 @@ class _Generator:
         w("return tuple(output.detach() for output in s.outputs)")
         forward_source = [head] + w.lines
 
+        self.phase = "backward"
         w = _Writer()
         w('"""The backward phase of the schedule, from the gradients of the outputs (s.grad_outputs)."""')
         self.header(w)

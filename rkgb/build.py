@@ -14,7 +14,7 @@ from .cdgraph import BlockInstance, CDGraph, ComputeKind, ComputeNode, DataKind,
 from .cdgraph import compute_name as cname
 from .cdgraph import data_name as dname
 from .inspect import BlockMeasure, gradient_layouts, inspect_chain
-from .interpret import global_requires_grad
+from .interpret import global_requires_grad, tensor_args
 from .simplify import SimplifiedGraph, gradient_needs, simplify
 
 __all__ = ["ModelGraphs", "build", "cdgraph_of_class"]
@@ -155,14 +155,8 @@ def _drop_lasting_aliases(backwards: list[ComputeNode], input_grad: str) -> None
 
 def held_bytes(graph: SimplifiedGraph, model: nn.Module) -> int:
     """The memory the executor holds through a step besides the nodes' data (see
-    :class:`rkgb.cdgraph.ModelChain`): copies of the buffers the step updates and nodes read
-    (:meth:`SimplifiedGraph.snapshot_buffers`), and the new values of buffers computed from
-    buffers alone (``num_batches_tracked + 1``, from the step's start to the forward's end)."""
-    snapshots = sum(model.get_buffer(graph.captured.buffers[name]).untyped_storage().nbytes()
-                    for name in graph.snapshot_buffers())
-    prologue = sum(_nbytes(line.meta["val"]) for line in graph.buffer_updates_prologue
-                   if line.name in graph.captured.buffer_mutations)
-    return snapshots + prologue
+    :class:`rkgb.cdgraph.ModelChain`): none so far, all of it is first-run memory."""
+    return 0
 
 
 def _nbytes(value) -> int:
@@ -182,6 +176,12 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
             if node.is_random:
                 result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
                     FirstRun(f"{node.name}.rng", state, only_if_rerun=True))
+    snapshot = set(graph.snapshot_buffers())
+    for node in graph.nodes:
+        for name in graph.reads(node) & snapshot:  # copied for recomputations (exec.codegen)
+            size = model.get_buffer(graph.captured.buffers[name]).untyped_storage().nbytes()
+            result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
+                FirstRun(f"{name}.snapshot", size, only_if_rerun=True))
     for node in graph.nodes:
         if node.buffer_updates:  # the buffers' new values, written when the forward ends
             lines = {line.name: line for line in node.lines}
@@ -192,14 +192,26 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
             continue
-        size = value.numel() * value.element_size()
+        grad = FirstRun(f"{name}.grad", value.numel() * value.element_size(), accumulates=True)
         for reader in readers.get(name, ()):  # views of the input included (their owner is it)
-            result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(FirstRun(f"{name}.grad", size))
-        # an output that is the input (or a view of it): the gradient the loss gives it is the
-        # input's first
-        if any(graph.owner.get(output) == name for output in graph.outputs):
-            result.setdefault("loss", []).append(FirstRun(f"{name}.grad", size))
-    return {name: tuple({entry.key: entry for entry in entries}.values()) for name, entries in result.items()}
+            result.setdefault(cname(reader, ComputeKind.BACKWARD), []).extend(
+                [grad] * _contributions(graph.node(reader), name, graph))
+        # an output that is the input (or a view of it): the loss gives the input a gradient
+        outputs = sum(graph.owner.get(output) == name for output in graph.outputs)
+        result.setdefault("loss", []).extend([grad] * outputs)
+    result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
+              for name, entries in result.items()}
+    return {name: tuple(entries) for name, entries in result.items() if entries}
+
+
+def _contributions(node, name: str, graph: SimplifiedGraph) -> int:
+    """How many contributions a node's backward makes to the gradient of global ``name``: one
+    per read when it reads it more than once (the executor gives each read its own alias,
+    :class:`rkgb.gradsink.GradientQueue`), and one more for its reads through views."""
+    reads = sum(arg.name == name for line in node.lines for arg in tensor_args(line))
+    through_views = any(graph.owner.get(arg.name) == name and arg.name != name
+                        for line in node.lines for arg in tensor_args(line))
+    return (reads if reads > 1 else 1) + (1 if reads > 1 and through_views else 0)
 
 
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3) -> ModelGraphs:

@@ -109,6 +109,93 @@ def restore_dropout(graph: torch.fx.Graph, device: torch.device, renamed: dict[s
     return replaced
 
 
+def _scatter_views() -> dict:
+    aten = torch.ops.aten
+    return {
+        aten.select_scatter.default: aten.select.int,
+        aten.slice_scatter.default: aten.slice.Tensor,
+        aten.diagonal_scatter.default: aten.diagonal.default,
+        aten.as_strided_scatter.default: aten.as_strided.default,
+    }
+
+
+_VIEW_TARGETS = {
+    torch.ops.aten.select.int, torch.ops.aten.slice.Tensor, torch.ops.aten.diagonal.default,
+    torch.ops.aten.as_strided.default, torch.ops.aten.view.default, torch.ops.aten.transpose.int,
+}
+
+
+def _inplace_variant(target):
+    """``aten.add_.Tensor`` for ``aten.add.Tensor`` (None when there is none)."""
+    packet = getattr(torch.ops.aten, target._overloadpacket.__name__ + "_", None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def restore_inplace_writes(graph: torch.fx.Graph, renamed: dict[str, str] | None = None) -> int:
+    """Write into views in place again, as eager does: ``x[:, 0] = y`` and ``x[:, 1:3] += z``.
+
+    Functionalization turns an in-place write into a view of ``x`` into a functional op on the
+    view (``copy``, ``add``, ``fill``) and a ``*_scatter`` of the result into a new ``x``. Their
+    backward is not eager's: ``select_scatter``'s gives the gradient of ``x`` in the gradient's
+    layout, where eager's ``CopySlices`` gives it in ``x``'s, and a reduction over it (a bias
+    gradient) then rounds differently. Where ``x`` is read by nothing else (its old value is
+    dead: a clone made to be written, the usual pattern), the scatter becomes the in-place op
+    on the view again (``copy_``, ``add_``, ``fill_``), and its result is ``x``. Returns how many
+    writes were restored; ``renamed`` receives the old name -> new name of each replaced value.
+    """
+    views = _scatter_views()
+    rewritten: set[torch.fx.Node] = set()  # views and in-place writes made here
+    restored = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in views:
+            continue
+        base, value, view_args = node.args[0], node.args[1], tuple(node.args[2:])
+        if base.op != "call_function":
+            continue  # an input or a parameter: written in place, it must stay functional
+        view = value.args[0] if value.op == "call_function" and value.args else None
+        in_place = None
+        if (isinstance(view, torch.fx.Node) and view.op == "call_function" and view.target is views[node.target]
+                and view.args[0] is base and tuple(view.args[1:]) == view_args and set(value.users) == {node}
+                and set(view.users) == {value} and isinstance(value.target, torch._ops.OpOverload)):
+            in_place = _inplace_variant(value.target)
+        chain = {node, value} | ({view} if in_place is not None else set())
+        others = set(base.users) - rewritten - chain
+        # views of x read only by this write (its source: x[:, a] = x[:, b]) read x as it is now
+        if any(other.target not in _VIEW_TARGETS or not set(other.users) <= chain for other in others):
+            continue  # x's value before the write is read elsewhere
+        with graph.inserting_before(node):
+            if in_place is not None:
+                write = graph.call_function(in_place, value.args, value.kwargs)
+                write.meta = dict(value.meta)
+                rewritten |= {view, write}
+            else:
+                view = graph.call_function(views[node.target], (base, *view_args))
+                view.meta["val"] = _fake_call(views[node.target], (base, *view_args))
+                write = graph.call_function(torch.ops.aten.copy_.default, (view, value))
+                write.meta["val"] = view.meta["val"]
+                rewritten |= {view, write}
+        node.replace_all_uses_with(base)
+        if renamed is not None:
+            for old, new in list(renamed.items()):
+                if new == node.name:
+                    renamed[old] = base.name
+            renamed[node.name] = base.name
+        graph.erase_node(node)
+        if in_place is not None:
+            graph.erase_node(value)
+        restored += 1
+    if restored:
+        graph.lint()
+    return restored
+
+
+def _fake_call(target, args):
+    """The fake value of ``target(*args)`` from the arguments' fake values."""
+    values = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    with values[0].fake_mode:
+        return target(*values)
+
+
 def differentiable_copies(graph: torch.fx.Graph, renamed: dict[str, str] | None = None) -> int:
     """Replace the functional ``aten.copy(self, src)`` (what ``x.copy_(src)`` and ``x[i] = src``
     become once functionalized: ``src`` in ``self``'s shape and dtype), which autograd cannot
@@ -241,6 +328,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
 
     renamed: dict[str, str] = {}
     restore_dropout(exported.graph, device_of(model, args), renamed)
+    restore_inplace_writes(exported.graph, renamed)
     differentiable_copies(exported.graph, renamed)
     signature = exported.graph_signature
     parameters: dict[str, str] = {}

@@ -319,12 +319,16 @@ class FirstRun:
     of the step (``ModelChain.first_run_bytes``), shared by the nodes with the same ``key``.
     ``only_if_rerun``: allocated only when the node runs again later (the generator state of
     a random node, saved to replay it). ``until_loss``: freed when the forward ends (the new
-    values of buffers, written into them then)."""
+    values of buffers, written into them then). ``accumulates``: a gradient, which a later run
+    contributes to as to the CD-graph's gradients (the contribution waits for the next compute
+    node, then joins as a new tensor).
+    """
 
     key: str
     bytes: int
     only_if_rerun: bool = False
     until_loss: bool = False
+    accumulates: bool = False
 
 
 @dataclass
@@ -362,9 +366,15 @@ class ModelChain:
 
     def first_run_reserve(self) -> int:
         """An upper bound of the first-run memory alive at any time: every key's bytes, plus
-        the largest once more (a replay or an accumulation)."""
+        the most that one compute node adds for a key that is there already (a replay's outer
+        state, or contributions waiting to join a gradient and the sum they make)."""
         sizes = {entry.key: entry.bytes for entries in self.first_run_bytes.values() for entry in entries}
-        return sum(sizes.values()) + max(sizes.values(), default=0)
+        extra = 0
+        for entries in self.first_run_bytes.values():
+            for entry in entries:
+                count = sum(other.key == entry.key for other in entries)
+                extra = max(extra, (count + 1) * entry.bytes if entry.accumulates else entry.bytes)
+        return sum(sizes.values()) + extra
 
     def block_graph(self, index: int) -> CDGraph:
         """The CD-graph of block ``index`` with its real node names."""

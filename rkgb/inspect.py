@@ -32,7 +32,7 @@ from .interpret import global_requires_grad, initial_environment, run_lines, ten
 from .memory import measure_allocator_peak
 from .gradsink import GradientQueue, GradSink
 from .saved import SavedTensors, storage_key
-from .simplify import SimplifiedGraph, SimplifiedNode, gradient_needs
+from .simplify import OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs
 
 __all__ = ["NodeMeasure", "BlockMeasure", "GradSink", "inspect_chain", "COST_MODELS"]
 
@@ -264,17 +264,22 @@ def _synthesize_input(graph: SimplifiedGraph, block: Block, env, device) -> None
                                           dtype=output.dtype, device=device)
             value = strided.copy_(value)
         env[output.fx_name] = value
-    run_lines(_view_lines(node), env)
+    _rebuild_views(node, env)
 
 
-def _view_lines(node: SimplifiedNode) -> list:
-    """The body lines that rebuild views from the node's outputs (not its getitems)."""
+def _rebuild_views(node: SimplifiedNode, env) -> None:
+    """Rebuild the views of the node's synthesized outputs (not its getitems); its in-place
+    writes are not run again (the synthesized values stand for the written ones): their
+    results are the tensors they write into."""
     outputs = {o.fx_name for o in node.outputs}
-    return [
-        line
-        for line in node.body
-        if line.name not in outputs and not (line.target is operator.getitem and line.args[0] is node.main)
-    ]
+    for line in node.body:
+        if line.name in outputs or (line.target is operator.getitem and line.args[0] is node.main):
+            continue
+        kind = classify(line)
+        if kind is OpKind.VIEW:
+            run_lines([line], env)
+        elif kind is OpKind.INPLACE and line.args[0].name in env:
+            env[line.name] = env[line.args[0].name]
 
 
 def _drop(node: SimplifiedNode, env) -> None:
@@ -559,7 +564,8 @@ def run_island_lines(lines, env, sinks: dict[str, GradSink], queue: GradientQueu
     for line in lines:
         for arg in tensor_args(line):
             reads[arg.name] = reads.get(arg.name, 0) + 1
-    split = {name for name, count in reads.items() if count > 1 and name in sinks}
+    own = {line.name for line in lines}
+    split = {name for name, count in reads.items() if count > 1 and name in sinks and name not in own}
     made: list[torch.Tensor] = []
     for line in lines:
         index = iter(range(1 << 30))

@@ -378,6 +378,7 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
     prologue: list[torch.fx.Node] = []
     outputs: list[str] = []
     model_inputs = {name for name in captured.inputs if name is not None}
+    input_views: set[str] = set()  # static lines that are views of model inputs
 
     for fx_node in graph.nodes:
         if fx_node.op == "placeholder":
@@ -395,7 +396,7 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         kind = classify(fx_node)
         activation_inputs = [n for n in inputs if owner.get(n.name) in nodes]
         static_inputs = [n for n in inputs if n.name in static]
-        reads_model_input = any(owner.get(n.name) in model_inputs for n in inputs)
+        reads_model_input = any(owner.get(n.name) in model_inputs or n.name in input_views for n in inputs)
 
         if kind is OpKind.SHAPE:
             if _is_data_dependent(fx_node) and (activation_inputs or reads_model_input):
@@ -417,6 +418,8 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
             base = fx_node.args[0] if kind is OpKind.GETITEM else _aliased_argument(fx_node)
             if base.name in static:
                 static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
+                if base.name in input_views:
+                    input_views.add(fx_node.name)
                 continue
             base_owner = owner.get(base.name)
             if base_owner is None:
@@ -427,6 +430,12 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
                         f"{describe_fx_node(fx_node)} writes in place into an input or a parameter; "
                         "Rockmate needs a model that does not mutate its inputs or parameters"
                     )
+                if base_owner in model_inputs and kind is OpKind.VIEW and fx_node.name not in captured.user_outputs:
+                    # a view of an input is made where it is read, as eager makes it: its
+                    # backward's place among the others sets the order of the input's gradient sum
+                    static[fx_node.name] = [fx_node]
+                    input_views.add(fx_node.name)
+                    continue
                 owner[fx_node.name] = base_owner  # a view of a global is a global
                 global_views.append(fx_node)
                 continue
@@ -436,12 +445,20 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
             owner[fx_node.name] = base_owner
             if kind is OpKind.INPLACE:
                 _add_deps(holder, fx_node, inputs, owner, nodes, static)
-                late = [d for d in holder.data_deps if order.index(d) > order.index(holder.name)]
+                here = order.index(holder.name)
+                late = [d for d in holder.data_deps if order.index(d) > here]
                 if late:
-                    raise UnsupportedOperation(
-                        f"{describe_fx_node(fx_node)} updates {holder.name!r} in place with values "
-                        f"computed after it ({late}); this is not supported"
-                    )
+                    # written with values computed after it: the node moves after them, which
+                    # is eager's order of its last line, unless a node in between reads it
+                    between = [n for n in order[here + 1:] if holder.name in nodes[n].data_deps]
+                    if between:
+                        raise UnsupportedOperation(
+                            f"{describe_fx_node(fx_node)} updates {holder.name!r} in place with values "
+                            f"computed after it ({late}), while {between} read it in between: a node is "
+                            "one value for Rockmate; write into a clone instead"
+                        )
+                    order.remove(holder.name)
+                    order.append(holder.name)
             elif kind is OpKind.GETITEM:
                 value = fx_node.meta.get("val")
                 if fx_node.name in buffer_mutation_outputs:
@@ -523,15 +540,25 @@ def _sink_free_nodes(graph: SimplifiedGraph) -> SimplifiedGraph:
 
     Such nodes (an RNN's input projection at step t) read only globals; placing them late
     keeps edges from jumping over the chain's separators. Random nodes keep their place so
-    that they draw random numbers in the same order as eager PyTorch.
+    that they draw random numbers in the same order as eager PyTorch. A node does not move
+    past one that reads a parameter or an input it reads too: the backwards run in the reverse
+    order of the nodes, and eager adds the gradient contributions of a tensor in the reverse
+    order of their creation (the sums round differently in another order).
     """
     users = graph.users()
+    constants = set(graph.captured.buffers) | set(graph.captured.constants)
+    reads = {node.name: graph.reads(node) - constants for node in graph.nodes}
     order = [node.name for node in graph.nodes]
     free = [n.name for n in graph.nodes if not n.data_deps and not n.is_random and users[n.name]]
     for name in free:
+        start = order.index(name)
         order.remove(name)
-        first_user = min(order.index(u) for u in users[name])
-        order.insert(first_user, name)
+        target = min(order.index(u) for u in users[name])
+        for position in range(start, target):
+            if reads[order[position]] & reads[name]:
+                target = position
+                break
+        order.insert(target, name)
     graph.nodes = [graph.node(name) for name in order]
     graph.__post_init__()
     return graph

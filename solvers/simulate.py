@@ -186,6 +186,18 @@ class _Storages:
         return peak
 
 
+def _flush(storages: _Storages, kept: int, waiting: list[int]) -> int:
+    """Flush the waiting contributions (the CD-graph's, then the first-run gradients', each a
+    new sum while the old one and it live); return the peak while it runs."""
+    peak = storages.flush() + kept + sum(waiting)
+    memory = storages.memory + kept + sum(waiting)
+    for size in waiting:
+        peak = max(peak, memory + size)
+        memory -= size  # the sum replaces the old gradient; the contribution goes
+    waiting.clear()
+    return peak
+
+
 def phantoms_of(graph: CDGraph, node: ComputeNode) -> str | None:
     """Name of the phantoms data node of a forward or backward node, or None if it has none."""
     name = data_name(node.target, DataKind.PHANTOMS)
@@ -270,6 +282,7 @@ def simulate(
         if isinstance(op, Compute):
             runs[op.node] = runs.get(op.node, 0) + 1
     kept = 0  # their bytes
+    waiting: list[int] = []  # contributions to first-run gradients waiting for the next compute
     storages = _Storages(graph, inputs)
     for d in sorted(alive):
         storages.add(d)
@@ -305,7 +318,7 @@ def simulate(
                 forgotten_grads.add(op.node)
             storages.forget(op.node)
             memory = storages.memory
-            memory_during.append(memory + kept)
+            memory_during.append(memory + kept + sum(waiting))
             continue
         if not isinstance(op, Compute):
             raise InvalidSchedule(f"{where(i, op)}: not a Compute or a Forget")
@@ -314,7 +327,7 @@ def simulate(
         node = graph.compute(op.node)
         # the contributions of the previous backward join their gradients (the executor
         # flushes them as the next compute starts)
-        flushed = storages.flush() + kept
+        flushed = _flush(storages, kept, waiting)
         memory = storages.memory
         if flushed > peak:
             peak, peak_index = flushed, i
@@ -359,11 +372,15 @@ def simulate(
         again = 0
         for entry in (first_run_bytes or {}).get(node.name, ()):
             if entry.key in first_runs:
-                again += entry.bytes
+                if entry.accumulates:  # a contribution that waits for the next compute node
+                    waiting.append(entry.bytes)
+                else:  # the outer generator state, saved while a replay runs
+                    again += entry.bytes
             elif not entry.only_if_rerun or runs[node.name] > 1:
                 first_runs.add(entry.key)
                 kept += entry.bytes
-        during = memory + kept + again + node.overhead(op.with_grad or node.kind is not ComputeKind.FORWARD) + added
+        during = memory + kept + sum(waiting) + again + node.overhead(
+            op.with_grad or node.kind is not ComputeKind.FORWARD) + added
         memory_during.append(max(during, flushed))
         if during > peak:
             peak, peak_index = during, i
@@ -385,7 +402,7 @@ def simulate(
             phantoms = phantoms_of(graph, node)
             if phantoms is not None:
                 consumed.add(phantoms)
-    flushed = storages.flush() + kept
+    flushed = _flush(storages, kept, waiting)
     if flushed > peak:
         peak, peak_index = flushed, len(ops) - 1
     if after_loss:

@@ -313,9 +313,12 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
     loss = DotLoss(probe)
     eager = eager_peak(model, (x,), loss)
     result.no_recompute_peak, result.eager_peak = none.plan.predicted_peak, eager
-    assert none.plan.predicted_peak <= eager + loss.copies(probe), (
+    # the executor matches eager's memory but where an island's engine call holds more at once
+    # than eager's engine does (a leaf read twice, merged islands): at most two tensors more
+    tensor = max((o.size_bytes for n in none.graphs.simplified.nodes for o in n.outputs), default=0)
+    assert none.plan.predicted_peak <= eager + loss.copies(probe) + 2 * tensor, (
         f"the plan without recomputation predicts {none.plan.predicted_peak} B, above eager's allocator "
-        f"peak {eager} B{where}")
+        f"peak {eager} B by more than two tensors of {tensor} B{where}")
     minimum = min_budget(copy.deepcopy(model), x, solver=solver, **options)
     assert minimum <= none.plan.predicted_peak, (
         f"the minimum {minimum} B is above the no-recomputation plan's peak {none.plan.predicted_peak} B{where}")

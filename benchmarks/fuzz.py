@@ -1,0 +1,85 @@
+"""Fuzz the whole pipeline with random models (tests/random_models.py) and report the figures.
+
+    .venv/bin/python benchmarks/fuzz.py              # 2000 cases (the "long" profile's count)
+    .venv/bin/python benchmarks/fuzz.py --cases 200  # fewer
+    .venv/bin/python benchmarks/fuzz.py --seed 7     # another fixed set of cases
+
+Each case draws a random program (hypothesis, derandomized: a fixed set of cases for a seed)
+and a budget fraction, and checks the fuzzing property (``random_models.check_program``):
+bitwise outputs, gradients and buffers over two steps, the allocator's peak within the
+budget, or a named error. Unlike the test (``tests/test_fuzz.py``), a failing case does not stop
+the run: the summary counts outcomes, and failing programs are written to
+``benchmarks/results/fuzz_failures.txt`` (each with its source, to become a regression test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from random_models import check_program, programs  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    outcomes: collections.Counter = collections.Counter()
+    failures: list[str] = []
+    ratios: list[float] = []
+    start = time.perf_counter()
+
+    @seed(args.seed)
+    @settings(max_examples=args.cases, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(program=programs(), fraction=st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]))
+    def case(program, fraction):
+        try:
+            result = check_program(program, fraction, peak_steps=3, save_steps=3)
+        except AssertionError as error:
+            outcomes["failure"] += 1
+            failures.append(f"fraction {fraction}: {error}")
+            return
+        except Exception:  # any other exception is a failure of the property too
+            outcomes["failure"] += 1
+            failures.append(f"fraction {fraction}: {traceback.format_exc()}\n{program.source()}")
+            return
+        outcomes[result.outcome] += 1
+        if result.eager_peak:
+            ratios.append(result.no_recompute_peak / result.eager_peak)
+        done = sum(outcomes.values())
+        if done % 100 == 0:
+            print(f"{done} cases, {dict(outcomes)}, {time.perf_counter() - start:.0f} s", flush=True)
+
+    case()
+    total = sum(outcomes.values())
+    print(f"\n{total} cases in {time.perf_counter() - start:.0f} s: {dict(outcomes)}")
+    if ratios:
+        ratios.sort()
+        at_most = sum(r <= 1.0 for r in ratios)
+        print(f"plan without recomputation / eager's allocator peak: median {ratios[len(ratios) // 2]:.3f}, "
+              f"max {ratios[-1]:.3f}, at most 1 in {at_most} of {len(ratios)} cases")
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    report = results / "fuzz_failures.txt"
+    report.write_text("\n\n".join(failures) + ("\n" if failures else ""))
+    print(f"failures: {len(failures)} (written to {os.path.relpath(report)})")
+
+
+if __name__ == "__main__":
+    main()
