@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -42,7 +43,9 @@ def main() -> None:
     torch.set_num_threads(1)
     outcomes: collections.Counter = collections.Counter()
     failures: list[str] = []
+    failing: list = []  # (program, fraction), pickled beside the report to replay them
     ratios: list[float] = []
+    worst: list = []  # the program whose plan without recomputation is highest above eager
     start = time.perf_counter()
 
     @seed(args.seed)
@@ -54,14 +57,18 @@ def main() -> None:
         except AssertionError as error:
             outcomes["failure"] += 1
             failures.append(f"fraction {fraction}: {error}")
+            failing.append((program, fraction))
             return
         except Exception:  # any other exception is a failure of the property too
             outcomes["failure"] += 1
             failures.append(f"fraction {fraction}: {traceback.format_exc()}\n{program.source()}")
+            failing.append((program, fraction))
             return
         outcomes[result.outcome] += 1
         if result.eager_peak:
             ratios.append(result.no_recompute_peak / result.eager_peak)
+            if ratios[-1] >= max(ratios):
+                worst[:] = [program]
         done = sum(outcomes.values())
         if done % 100 == 0:
             print(f"{done} cases, {dict(outcomes)}, {time.perf_counter() - start:.0f} s", flush=True)
@@ -73,11 +80,14 @@ def main() -> None:
         ratios.sort()
         at_most = sum(r <= 1.0 for r in ratios)
         print(f"plan without recomputation / eager's allocator peak: median {ratios[len(ratios) // 2]:.3f}, "
-              f"max {ratios[-1]:.3f}, at most 1 in {at_most} of {len(ratios)} cases")
+              f"max {ratios[-1]:.3f}, at most 1 in {at_most} of {len(ratios)} cases; the highest:\n"
+              f"{worst[0].source()}")
     results = ROOT / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
     report = results / "fuzz_failures.txt"
     report.write_text("\n\n".join(failures) + ("\n" if failures else ""))
+    with open(results / "fuzz_failures.pkl", "wb") as file:
+        pickle.dump(failing, file)
     print(f"failures: {len(failures)} (written to {os.path.relpath(report)})")
 
 

@@ -281,8 +281,8 @@ class _Generator:
                     is_global = ", True" if arg.name in self.input_names else ""
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}){is_global})")
                     sources.append(alias)
-                else:
-                    sources.append(self.ref(arg.name))
+                else:  # a line of the island (not written yet) or a value from outside
+                    sources.append(arg.name if arg.name in own else self.ref(arg.name))
             reads[line.name] = sources
         return reads
 

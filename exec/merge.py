@@ -21,7 +21,8 @@ from __future__ import annotations
 from solvers.schedule import Compute, Forget, Operation, Schedule
 from solvers.simulate import simulate
 
-__all__ = ["merge_candidates", "without_shared_reads", "plan_merges", "executed_order", "executed_positions"]
+__all__ = ["merge_candidates", "without_shared_reads", "plan_merges", "executed_order", "executed_positions",
+           "same_call"]
 
 
 def merge_candidates(graph, infos) -> dict[str, str]:
@@ -83,6 +84,14 @@ def executed_order(schedule: Schedule, merged: dict[str, str]) -> Schedule:
     return Schedule([schedule.ops[i] for i in executed_positions(schedule, merged)])
 
 
+def same_call(schedule: Schedule, merged: dict[str, str]) -> set[int]:
+    """Indices, in :func:`executed_order`, of the backwards that run in the engine call of the
+    one before them (``simulate``'s ``same_call``)."""
+    absorbed = {f"bwd_{a}" for a in merged}
+    return {i for i, op in enumerate(executed_order(schedule, merged).ops)
+            if isinstance(op, Compute) and op.node in absorbed}
+
+
 def executed_positions(schedule: Schedule, merged: dict[str, str]) -> list[int]:
     """:func:`executed_order` as positions in ``schedule.ops``."""
     absorbed_by = {f"bwd_{b}": f"bwd_{a}" for a, b in merged.items()}
@@ -139,25 +148,32 @@ def without_shared_reads(graph, merges: dict[str, str]) -> dict[str, str]:
     return kept
 
 
-def plan_merges(graph, schedule: Schedule, infos, cdgraph=None, peak_limit: int | None = None) -> dict[str, str]:
+def plan_merges(graph, schedule: Schedule, infos, cdgraph=None, peak_limit: int | None = None,
+                first_run_bytes=None) -> dict[str, str]:
     """The merges (``a -> b``) the executor applies to ``schedule``.
 
     Every structurally valid merge is kept when no CD-graph is given (schedules written by
-    hand, with no budget); with ``cdgraph`` and ``peak_limit`` (the plan's predicted peak),
-    merges are added one at a time and kept only if the simulated peak of the executed order
-    stays within ``peak_limit``.
+    hand, with no budget); with ``cdgraph`` and ``peak_limit`` (the plan's simulated peak,
+    with the first-run memory ``first_run_bytes`` of ``Plan``), merges are added one at a time
+    and kept only if the simulated peak of the executed order stays within ``peak_limit``: a
+    merged backward runs the absorbed one earlier, and with it what that one allocates the
+    first time (an input's gradient).
     """
     ops = schedule.ops
     candidates = {a: b for a, b in merge_candidates(graph, infos).items() if _fits_schedule(ops, a, b)}
     candidates = without_shared_reads(graph, candidates)
     if cdgraph is None or peak_limit is None:
         return candidates
-    if simulate(cdgraph, executed_order(schedule, candidates)).peak_bytes <= peak_limit:
+    def peak(merges: dict[str, str]) -> int:
+        return simulate(cdgraph, executed_order(schedule, merges), first_run_bytes=first_run_bytes,
+                        same_call=same_call(schedule, merges)).peak_bytes
+
+    if peak(candidates) <= peak_limit:
         return candidates
     accepted: dict[str, str] = {}
     for a, b in candidates.items():
         trial = dict(accepted)
         trial[a] = b
-        if simulate(cdgraph, executed_order(schedule, trial)).peak_bytes <= peak_limit:
+        if peak(trial) <= peak_limit:
             accepted = trial
     return accepted

@@ -121,12 +121,12 @@ class _ParameterCollector:
 
     def __init__(self, parameter: torch.Tensor) -> None:
         self.grad: torch.Tensor | None = None
-        self.owned = False
         self.handle = get_gradient_edge(parameter).node.register_prehook(self)
 
     def __call__(self, grad_outputs):
         if grad_outputs[0] is not None:
-            self.grad, self.owned = accumulate(self.grad, self.owned, grad_outputs[0])
+            # held by self.grad alone: one reference
+            self.grad = accumulate(self.grad, grad_outputs[0], self.grad is not None and self.grad._use_count() == 1)
         return (None,)
 
 
@@ -277,7 +277,8 @@ class _Runner:
             "restore_grad": _restore_grad,
             "mark": torch.profiler.record_function,
         }
-        self.merged = plan_merges(graph, module.schedule, self.infos, module.cdgraph, module.peak_limit) if module.merge_islands else {}
+        self.merged = plan_merges(graph, module.schedule, self.infos, module.cdgraph, module.peak_limit,
+                                  module.first_run_bytes) if module.merge_islands else {}
         self.code: GeneratedCode = generate(
             graph, module.schedule, self.infos, input_requires_grad, helpers, module.device, self.merged, markers,
             aliased_parameters=aliased,
@@ -305,10 +306,11 @@ class CompiledModule(nn.Module):
         ``x.grad``, ``x.phantoms``); see :mod:`solvers.schedule`.
     sample:
         The sample the graph was captured on: calls must have the same shapes and dtypes.
-    cdgraph, peak_limit:
-        The whole model's CD-graph and the plan's predicted peak: islands are merged
-        (:mod:`exec.merge`) only where the simulated peak of the real execution order stays
-        within ``peak_limit``. Without them, every merge the schedule allows is made.
+    cdgraph, peak_limit, first_run_bytes:
+        The whole model's CD-graph, the plan's predicted peak of it and its first-run memory
+        (``Plan.first_run_bytes``): islands are merged (:mod:`exec.merge`) only where the
+        simulated peak of the real execution order stays within ``peak_limit``. Without them,
+        every merge the schedule allows is made.
     merge_islands:
         ``False`` keeps one autograd island per node.
 
@@ -319,13 +321,15 @@ class CompiledModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, graph: SimplifiedGraph, schedule: Schedule, sample, *,
-                 cdgraph=None, peak_limit: int | None = None, merge_islands: bool = True) -> None:
+                 cdgraph=None, peak_limit: int | None = None, first_run_bytes=None,
+                 merge_islands: bool = True) -> None:
         super().__init__()
         self.model = model
         self.graph = graph
         self.schedule = schedule
         self.cdgraph = cdgraph
         self.peak_limit = peak_limit
+        self.first_run_bytes = first_run_bytes
         self.merge_islands = merge_islands
         sample = as_input_tuple(sample)
         captured = graph.captured

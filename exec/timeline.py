@@ -21,7 +21,7 @@ from solvers.schedule import Compute, Forget, Schedule
 from solvers.simulate import simulate
 
 from .codegen import MARKER_PREFIX
-from .merge import executed_positions
+from .merge import executed_positions, same_call
 
 __all__ = ["Timeline", "measure_timeline"]
 
@@ -64,7 +64,8 @@ def _predicted(compiled, plan, merged: dict[str, str]) -> list[int]:
     between take effect after them; the absorbed backward's own operation runs no code."""
     positions = executed_positions(plan.schedule, merged)
     during = simulate(compiled.cdgraph, [plan.schedule.ops[i] for i in positions],
-                      first_run_bytes=plan.first_run_bytes).memory_during
+                      first_run_bytes=plan.first_run_bytes,
+                      same_call=same_call(plan.schedule, merged)).memory_during
     predicted = [0] * len(positions)
     for step, i in enumerate(positions):
         predicted[i] = during[step] + plan.held_bytes

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .blocks import INPUT_NAME, Chain, cut_chain
+from .blocks import INPUT_NAME, Block, Chain, cut_chain
 from .capture import CapturedGraph, as_input_tuple, capture, device_of
 from .cdgraph import BlockInstance, CDGraph, ComputeKind, ComputeNode, DataKind, DataNode, FirstRun, ModelChain
 from .cdgraph import compute_name as cname
@@ -91,6 +91,9 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                     aliases={
                         dname(d, G): tuple(parts) for d, parts in node.grad_aliases.items() if d in grad_exists
                     },
+                    shared={
+                        dname(d, G): tuple(parts) for d, parts in node.grad_shared.items() if d in grad_exists
+                    },
                 ),
             )
     _drop_lasting_aliases(backwards, dname(INPUT_NAME, G))
@@ -107,6 +110,9 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
         overhead_bytes=0,
         needs=list(output_data),
         produces=list(output_grads),
+        # the user's loss makes the outputs' gradients: a view of its own result (a reshape's
+        # backward) is not added into in place, so none is taken to be
+        shared={g.name: tuple(range(len(g.part_sizes))) for g in data if g.name in output_grads},
     )
     graph = CDGraph(
         name=f"class{measure.class_index}",
@@ -187,7 +193,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
             lines = {line.name: line for line in node.lines}
             size = sum(_nbytes(lines[name].meta["val"]) for name in node.buffer_updates)
             result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
-                FirstRun(f"{node.name}.buffer_update", size, until_loss=True))
+                FirstRun(f"{node.name}.buffer_update", size, until_loss=True, in_overhead=True))
     readers = graph.readers()
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
@@ -214,6 +220,25 @@ def _contributions(node, name: str, graph: SimplifiedGraph) -> int:
     return (reads if reads > 1 else 1) + (1 if reads > 1 and through_views else 0)
 
 
+def _count_repeated_outputs(graph: CDGraph, simplified: SimplifiedGraph, last: Block, needs) -> None:
+    """The loss contributes to each part of an output node's gradient once per time the user
+    gets that tensor: twice for ``return h, h`` (two gradients, which the executor adds), none
+    for a part that only the block's nodes read."""
+    counts = {name: simplified.outputs.count(name) for name in simplified.outputs}
+    loss = graph.loss
+    names = last.anonymous_names()
+    for anonymous, real in names.items():
+        grad = dname(anonymous, DataKind.GRAD)
+        if grad not in loss.produces:
+            continue
+        node = simplified.node(real)
+        parts = [name for name in simplified.exported(node) if needs[real].exported.get(name, False)]
+        contributions = tuple(i for i, name in enumerate(parts) for _ in range(counts.get(name, 0)))
+        if contributions != tuple(range(len(parts))):
+            loss.contributes[grad] = contributions
+    graph.validate()
+
+
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3) -> ModelGraphs:
     """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
 
@@ -232,7 +257,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     # which tensors a backward from the outputs reaches (and the layouts of their gradients)
     layouts = gradient_layouts(simplified, model, sample)
     simplified.gradient_receivers = None if layouts is None else set(layouts)
-    chain = cut_chain(simplified, gradient_needs(simplified, global_requires_grad(simplified, model, sample)))
+    needs = gradient_needs(simplified, global_requires_grad(simplified, model, sample))
+    chain = cut_chain(simplified, needs)
     seconds["simplify_and_cut"] = time.perf_counter() - clock
     clock = time.perf_counter()
     measures = inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats,
@@ -240,6 +266,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     seconds["inspect"] = time.perf_counter() - clock
     clock = time.perf_counter()
     classes = [cdgraph_of_class(m) for m in measures]
+    if chain.blocks:
+        _count_repeated_outputs(classes[chain.blocks[-1].class_index], simplified, chain.blocks[-1], needs)
     instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
     model_chain = ModelChain(classes=classes, blocks=instances, held_bytes=held_bytes(simplified, model))
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}

@@ -45,6 +45,8 @@ class CapturedGraph:
     each positional argument of the model, the placeholder name of a tensor argument or
     ``None`` for a non-tensor argument (a constant baked into the graph).
     ``buffer_mutations`` maps output fx-node names to the buffer path they update.
+    ``out_spec``: the pytree structure of the model's output (a tuple, a dict, a
+    ``ModelOutput``...), whose leaves are ``user_outputs`` in order.
     """
 
     graph: torch.fx.Graph
@@ -55,6 +57,7 @@ class CapturedGraph:
     user_outputs: list[str]
     buffer_mutations: dict[str, str]
     output_is_tuple: bool
+    out_spec: object = None
 
     def placeholder_values(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The current tensors behind the parameter, buffer and constant placeholders."""
@@ -233,6 +236,20 @@ def differentiable_copies(graph: torch.fx.Graph, renamed: dict[str, str] | None 
     return replaced
 
 
+def views_as_reshapes(graph: torch.fx.Graph) -> int:
+    """Make each ``aten.view`` an ``aten.reshape``: the same view where the real layout allows
+    it, a copy where it does not, as the user's ``reshape`` in eager. The export picks ``view``
+    for a ``reshape`` when the traced layout allows one, and the traced layout can differ from
+    the kernels' (a CPU batch norm of a transposed input returns a contiguous result, its meta
+    function a transposed one): a ``view`` would then fail at run time. Returns how many."""
+    replaced = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+            replaced += 1
+    return replaced
+
+
 def _cpu_dropout(graph: torch.fx.Graph, x: torch.fx.Node, p: float, value, draw_only: bool = False) -> torch.fx.Node:
     """Eager's CPU dropout (ATen's ``_dropout_impl``: ``noise = empty_like(x)``,
     ``noise.bernoulli_(1 - p)``, ``noise.div_(1 - p)``, ``x * noise``), with the random draw
@@ -330,6 +347,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     restore_dropout(exported.graph, device_of(model, args), renamed)
     restore_inplace_writes(exported.graph, renamed)
     differentiable_copies(exported.graph, renamed)
+    views_as_reshapes(exported.graph)
     signature = exported.graph_signature
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}
@@ -378,4 +396,5 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         user_outputs=user_outputs,
         buffer_mutations=buffer_mutations,
         output_is_tuple=output_is_tuple,
+        out_spec=out_spec,
     )

@@ -20,14 +20,19 @@ Semantics that the solvers, the simulator and the executor share
   The autograd graph of ``x`` is consumed: ``x.phantoms`` must be forgotten afterwards.
 - A gradient is one tensor per tensor of the node that other nodes read (its *parts*,
   ``DataNode.parts``: a ``split`` into q, k, v has three); a backward contributes to all the
-  parts of each gradient it produces, or to those in ``contributes``. Each part is
+  parts of each gradient it produces, or to those in ``contributes`` (once per contribution:
+  a node that reads a tensor twice contributes to its gradient twice). Each part is
   accumulated as the executor does (as autograd's ``InputBuffer``): its first contribution is
-  kept as it is, the second is added out of place (a new tensor, which the part then *owns*),
-  later ones are added in place into it.
-- ``aliases[g][i] = j`` on ``bwd_x``: the first contribution to part ``i`` of gradient ``g`` is
-  part ``j`` of ``x.grad`` itself (``-1``: a new tensor). An ``add``'s backward passes its
+  kept as it is; a later one waits until the next compute node starts (after the forgets that
+  follow its backward), then is added in place into the part if nothing else holds the part's
+  storage, into a new tensor (``old + grad``) otherwise (:mod:`solvers.simulate`).
+- ``aliases[g][i] = j`` on ``bwd_x``: the contribution to part ``i`` of gradient ``g`` is part
+  ``j`` of ``x.grad`` itself (``-1``: a new tensor). An ``add``'s backward passes its
   incoming gradient to both of its inputs, a ``clone``'s or a reshape's passes it (or a view of
   it) on. Both then share one storage, counted once while either holds it.
+- ``shared[g]`` on ``bwd_x``: parts of ``g`` whose first contribution shares its storage with
+  another tensor that lives on (a view of a bigger result of the backward): as eager's buffer,
+  the executor does not add the next contribution into it in place but makes a new sum.
 - ``Forget(d)`` frees data node ``d`` (its storages, but those an alias still holds).
 - Every compute node needs, while it runs, ``overhead_bytes`` of temporary memory on top of
   what is alive and of what it produces; a forward run without grad needs
@@ -118,11 +123,15 @@ class ComputeNode:
     needs_shape: list[str] = field(default_factory=list)  # fake edges: only the shape is read
     produces: list[str] = field(default_factory=list)  # data nodes it makes alive
     is_random: bool = False
-    # gradient produced -> the parts of it this backward contributes to (absent: all)
+    # gradient produced -> the parts of it this backward contributes to, each once per
+    # contribution (a node reading a part twice contributes to it twice) (absent: all, once)
     contributes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # gradient produced -> for each of its parts, the part of the node's own gradient that its
     # first contribution is (-1: a new tensor)
     aliases: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # gradient produced -> the parts whose first contribution, if made here, shares its storage
+    # with another tensor (a view of a bigger result): a later one joins as a new sum
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # temporary memory of a forward run without grad (None: ``overhead_bytes``)
     no_grad_overhead_bytes: int | None = None
 
@@ -207,6 +216,7 @@ class CDGraph:
                 produces=[rename_data(d) for d in c.produces],
                 contributes={rename_data(g): v for g, v in c.contributes.items()},
                 aliases={rename_data(g): v for g, v in c.aliases.items()},
+                shared={rename_data(g): v for g, v in c.shared.items()},
             )
 
         return CDGraph(
@@ -247,7 +257,7 @@ class CDGraph:
             if c.overhead_bytes < 0 or c.time_s < 0 or (c.no_grad_overhead_bytes or 0) < 0:
                 raise CDGraphError(f"{self.name}: compute node {c.name!r} has a negative cost")
             own = self._data.get(data_name(c.target, DataKind.GRAD))
-            for table in (c.contributes, c.aliases):
+            for table in (c.contributes, c.aliases, c.shared):
                 for g in table:
                     if g not in c.produces or g not in self._data or self._data[g].kind is not DataKind.GRAD:
                         raise CDGraphError(
@@ -321,7 +331,8 @@ class FirstRun:
     a random node, saved to replay it). ``until_loss``: freed when the forward ends (the new
     values of buffers, written into them then). ``accumulates``: a gradient, which a later run
     contributes to as to the CD-graph's gradients (the contribution waits for the next compute
-    node, then joins as a new tensor).
+    node, then joins as a new tensor). ``in_overhead``: results of the node's own operation,
+    which its measured temporary memory holds at its peak (not counted twice while it runs).
     """
 
     key: str
@@ -329,6 +340,7 @@ class FirstRun:
     only_if_rerun: bool = False
     until_loss: bool = False
     accumulates: bool = False
+    in_overhead: bool = False
 
 
 @dataclass

@@ -22,9 +22,9 @@ class GradSink:
     """Collects the gradient of a leaf as eager's ``InputBuffer`` would.
 
     A pre-hook on the leaf's ``AccumulateGrad`` node: the first contribution is stored as is
-    (a copy only when it is a slice of a bigger storage), the second is added out of place
-    (``old + grad``: a new tensor the sink owns), later ones in place into that tensor; and
-    ``AccumulateGrad`` does nothing. The node's backward then receives exactly the gradient
+    (a copy only when it is a slice of a bigger storage), a later one is added in place into the
+    gradient when the sink holds it alone, as eager's buffer steals it, out of place otherwise
+    (``old + grad``: an alias of another gradient); ``AccumulateGrad`` does nothing. The node's backward then receives exactly the gradient
     that eager PyTorch would pass to it, in the same memory layout (a bias gradient's
     reduction rounds identically), sharing storage where eager's share it (an ``add``'s
     backward passes its incoming gradient itself to both its inputs). The copy of a slice
@@ -35,16 +35,18 @@ class GradSink:
     has let go of its own incoming gradient and saved tensors (:meth:`GradientQueue.flush`), as
     eager's engine adds a node's outputs into the next buffers only after releasing its inputs.
     ``last_key`` is the storage of the last contribution (to tell an alias of the incoming
-    gradient, for the inspection).
+    gradient, for the inspection); ``first_shared``: the first contribution (the gradient)
+    shares its storage with another tensor (a view's base), so that the next one is not added
+    into it in place (for the inspection).
     """
 
-    __slots__ = ("leaf", "owned", "node", "calls", "last_key", "__weakref__")
+    __slots__ = ("leaf", "node", "calls", "last_key", "first_shared", "__weakref__")
 
     def __init__(self, leaf: torch.Tensor, queue: "GradientQueue | None" = None) -> None:
         self.leaf = leaf
-        self.owned = False
         self.calls = 0  # contributions received (for the inspection)
         self.last_key = 0
+        self.first_shared = False
         # the sink keeps the leaf's AccumulateGrad alive (the leaf holds it weakly); the node's
         # hook refers back to the sink weakly: a strong reference would make a cycle through
         # C++ that only Python's garbage collector frees, so that every step's state (its
@@ -58,25 +60,42 @@ class GradSink:
         if grad is not None:
             self.calls += 1
             self.last_key = grad.untyped_storage().data_ptr()
-            self.leaf.grad, self.owned = accumulate(self.leaf.grad, self.owned, grad)
+            old = self.leaf.grad
+            # held by the leaf's .grad and by `old` alone: the gradient's only holder
+            self.leaf.grad = accumulate(old, grad, old is not None and old._use_count() == 2)
+            if old is None:
+                self.first_shared = not _storage_held_alone(self.leaf.grad)
         return (None,)
 
 
-def accumulate(old: torch.Tensor | None, owned: bool, grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Add ``grad`` to a gradient as eager's ``InputBuffer`` does; returns the new gradient and
-    whether it is a tensor of our own (a sum), which later contributions are added into.
+def accumulate(old: torch.Tensor | None, grad: torch.Tensor, held_alone: bool) -> torch.Tensor:
+    """Add ``grad`` to a gradient as eager's ``InputBuffer`` does; returns the new gradient.
 
     The first contribution is kept as it is (a copy only when it is a slice of a bigger storage,
-    so that it does not hold the whole), the second is added out of place (``old + grad``, a new
-    tensor), later ones in place.
+    so that it does not hold the whole). A later one is added in place when the gradient is a
+    dense tensor that nothing else holds (``held_alone``: no other tensor, no view, the caller
+    knowing its own references), as eager's buffer steals it; out of place (``old + grad``, a
+    new tensor) otherwise. In place or not, the values are the same; the layout of the result,
+    and so the rounding of a reduction over it (a bias's gradient), is eager's.
     """
     if old is None:
         if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
             grad = grad.clone()
-        return grad, False
-    if owned:
-        return old.add_(grad), True
-    return old + grad, True
+        return grad
+    if held_alone and _storage_held_alone(old) and _non_overlapping_and_dense(old):
+        return old.add_(grad)
+    return old + grad
+
+
+def _storage_held_alone(tensor: torch.Tensor) -> bool:
+    """No other tensor (a view) holds the storage (its count: this tensor and the wrapper)."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 2
+
+
+def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    return bool(is_non_overlapping_and_dense_or_false(tensor))
 
 
 def _deliver(sink: "weakref.ref[GradSink]", queue: "GradientQueue | None", grad_outputs):

@@ -81,6 +81,9 @@ class NodeMeasure:
     grad_contributions: dict[str, list[int]] = field(default_factory=dict)
     # dep -> for each part of its gradient, the part of ours that its first contribution is
     grad_aliases: dict[str, list[int]] = field(default_factory=dict)
+    # dep -> the parts of its gradient whose first contribution, made here, shares its storage
+    # (a view of a bigger result): the next contribution makes a new sum
+    grad_shared: dict[str, list[int]] = field(default_factory=dict)
     data_deps: list[str] = field(default_factory=list)
     is_random: bool = False
 
@@ -206,6 +209,7 @@ def inspect_chain(
             if layouts is None:
                 layouts = gradient_layouts(graph, model, sample) or {}
             env = initial_environment(graph, model, sample)
+            strides: dict[str, tuple[int, ...]] = {}  # real layouts of the results computed
             # the inputs' gradients are collected as the executor collects them
             queue = GradientQueue()
             input_sinks = {name: GradSink(env[name], queue) for name in graph.captured.inputs
@@ -218,20 +222,21 @@ def inspect_chain(
                 for block in chain.blocks:
                     if block.index in representatives:
                         measures[representatives[block.index]] = _inspect_block(
-                            graph, block, env, model, clock, device, representatives[block.index], layouts, needs, input_sinks, queue
-                        )
+                            graph, block, env, model, clock, device, representatives[block.index], layouts, needs, input_sinks, queue,
+                            strides)
                     remaining = [b for b in chain.blocks[block.index + 1 :] if b.index in representatives]
                     if all(_floating_input(graph, b) for b in remaining):
                         # the rest only needs inputs of the right shape: skip the forward of
                         # the repeated blocks, so that inspection does not grow with depth
                         for later in remaining:
-                            _synthesize_input(graph, later, env, device)
+                            _synthesize_input(graph, chain, later, env, device, strides)
                             measures[representatives[later.index]] = _inspect_block(
-                                graph, later, env, model, clock, device, representatives[later.index], layouts, needs, input_sinks, queue
-                            )
+                                graph, later, env, model, clock, device, representatives[later.index], layouts, needs, input_sinks, queue,
+                                strides)
                         break
                     for name in block.nodes:
                         run_lines(graph.node(name).lines, env)
+                        _record_strides(graph.node(name), env, strides)
                         next_node += 1
                         for dep in graph.node(name).data_deps:
                             if last_use.get(dep, -1) <= next_node - 1:
@@ -248,20 +253,39 @@ def _floating_input(graph: SimplifiedGraph, block: Block) -> bool:
     return all(o.dtype.is_floating_point for o in graph.node(block.input_node).outputs)
 
 
-def _synthesize_input(graph: SimplifiedGraph, block: Block, env, device) -> None:
+def _record_strides(node: SimplifiedNode, env, strides: dict[str, tuple[int, ...]]) -> None:
+    for output in node.outputs:
+        value = env.get(output.fx_name)
+        if isinstance(value, torch.Tensor):
+            strides[output.fx_name] = tuple(value.stride())
+
+
+def _synthesize_input(graph: SimplifiedGraph, chain: Chain, block: Block, env, device,
+                      strides: dict[str, tuple[int, ...]]) -> None:
     """Random values of the right shape, dtype and layout for the block's input and its views.
 
-    The layout is the traced one: an elementwise op on a transposed view returns a transposed
-    tensor, and the next block's ops (a linear's contiguous copy of its input) depend on it."""
+    The layout matters: an elementwise op on a transposed view returns a transposed tensor,
+    and the next block's ops (a linear's or a layer norm's contiguous copy of its input)
+    depend on it. It is the real one of the same tensor in the first block of the producing
+    block's class (already run: the layouts of a block's results follow from its code and
+    its input's layout), else the traced one (the export's meta functions, which may differ
+    from the kernels': a CPU batch norm of a transposed input returns a contiguous result).
+    """
     node = graph.node(block.input_node)
+    producer = chain.blocks[block.index - 1]
+    twin_block = chain.blocks[chain.classes[producer.class_index].representative]
+    twin = None
+    if node.name in producer.nodes:
+        twin = graph.node(twin_block.nodes[producer.nodes.index(node.name)])
     generator = torch.Generator(device=device).manual_seed(block.index)
     traced = {line.name: line.meta.get("val") for line in node.lines}
-    for output in node.outputs:
+    for i, output in enumerate(node.outputs):
         value = torch.randn(output.shape, dtype=output.dtype, device=device, generator=generator)
-        layout = traced.get(output.fx_name)
-        if isinstance(layout, torch.Tensor) and not layout.is_contiguous():
-            strided = torch.empty_strided(output.shape, tuple(int(s) for s in layout.stride()),
-                                          dtype=output.dtype, device=device)
+        stride = strides.get(twin.outputs[i].fx_name) if twin is not None and i < len(twin.outputs) else None
+        if stride is None and isinstance(traced.get(output.fx_name), torch.Tensor):
+            stride = tuple(int(s) for s in traced[output.fx_name].stride())
+        if stride is not None and stride != tuple(value.stride()):
+            strided = torch.empty_strided(output.shape, stride, dtype=output.dtype, device=device)
             value = strided.copy_(value)
         env[output.fx_name] = value
     _rebuild_views(node, env)
@@ -276,7 +300,7 @@ def _rebuild_views(node: SimplifiedNode, env) -> None:
         if line.name in outputs or (line.target is operator.getitem and line.args[0] is node.main):
             continue
         kind = classify(line)
-        if kind is OpKind.VIEW:
+        if kind in (OpKind.VIEW, OpKind.GETITEM):
             run_lines([line], env)
         elif kind is OpKind.INPLACE and line.args[0].name in env:
             env[line.name] = env[line.args[0].name]
@@ -328,7 +352,7 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
     the inspection produces real gradients; a block's output gradients come from the next
     block: their layouts are found here, by one forward and backward of the whole graph on
     fake tensors (no memory, no computation: the ops' meta functions give the strides). The
-    model's outputs receive ``ones_like`` gradients. The tensors it lists are those that a
+    model's outputs receive contiguous gradients, as a loss's usually are. The tensors it lists are those that a
     backward from the outputs reaches (``SimplifiedGraph.gradient_receivers``). None if the
     fake run fails (an op without a meta function).
     """
@@ -359,14 +383,18 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
             outputs = [fake[n] for n in graph.outputs]
             outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
             if outputs:
-                torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+                # a loss's gradient is contiguous whatever the output's layout (a reshape of
+                # it, cross-entropy's): a transposed output's backward gets a contiguous one
+                ones = [torch.ones(o.shape, dtype=o.dtype, device=o.device) for o in outputs]
+                torch.autograd.backward(outputs, ones)
     except Exception:  # noqa: BLE001 - an op without a meta function: layouts are not known
         return None
     return record
 
 
 def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts, needs,
-                   input_sinks: dict[str, GradSink], queue: GradientQueue) -> BlockMeasure:
+                   input_sinks: dict[str, GradSink], queue: GradientQueue,
+                   strides: dict[str, tuple[int, ...]]) -> BlockMeasure:
     """Run one block node by node exactly as the executor runs it, and measure each node.
 
     Each node is an autograd island over all its lines; the tensors other nodes read (its
@@ -451,8 +479,11 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     env.pop(line.name, None)
 
             peak = meter.measure(forward_with_grad)
+            for value, output in zip(result["outputs"], node.outputs):
+                strides[output.fx_name] = tuple(value.stride())
             values = result["exported"]
-            data_bytes = _storage_bytes(result["outputs"])
+            # (a reshape that had to copy, see rkgb.capture.views_as_reshapes, holds its own)
+            data_bytes = _storage_bytes(result["outputs"] + values)
             phantom_bytes = saved.phantom_bytes(name)
 
             forward_time = clock(_rerun(lines, env, requires_grad), data_bytes)
@@ -525,19 +556,24 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             added = 0
             for d in targets:
                 sizes = part_sizes(d)
-                contributed, sources = [], []
+                contributed, sources, shared = [], [], []
                 for i, (leaf, sink) in enumerate(grad_leaves[d]):
                     source = -1
-                    if sink.calls > calls[d][i]:
+                    count = sink.calls - calls[d][i]  # several: a node reading the part twice
+                    if count == 1:  # one contribution: the incoming gradient?
+                        source = incoming.get(sink.last_key, -1)
+                    if count and calls[d][i] == 0 and sink.first_shared:
+                        shared.append(i)
+                    for _ in range(count):
                         contributed.append(i)
-                        if sink.calls == calls[d][i] + 1:  # one contribution: the incoming gradient?
-                            source = incoming.get(sink.last_key, -1)
                         added += state.produce((d, i), sizes[i], source >= 0)
                     sources.append(source)
-                if len(contributed) < len(sizes):
+                if contributed != list(range(len(sizes))):
                     measure.grad_contributions[anonymous[d]] = contributed
                 if any(j >= 0 for j in sources):
                     measure.grad_aliases[anonymous[d]] = sources
+                if shared:
+                    measure.grad_shared[anonymous[d]] = shared
             measure.backward_overhead_bytes = max(0, peak - added)
             outputs = grads = pairs = incoming = None  # release the incoming gradients
             for leaf in leaves[name]:

@@ -430,12 +430,14 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
                         f"{describe_fx_node(fx_node)} writes in place into an input or a parameter; "
                         "Rockmate needs a model that does not mutate its inputs or parameters"
                     )
-                if base_owner in model_inputs and kind is OpKind.VIEW and fx_node.name not in captured.user_outputs:
+                if base_owner in model_inputs and kind is OpKind.VIEW:
                     # a view of an input is made where it is read, as eager makes it: its
-                    # backward's place among the others sets the order of the input's gradient sum
+                    # backward's place among the others sets the order of the input's gradient
+                    # sum; one that is an output is also made once, as a global, for the user
                     static[fx_node.name] = [fx_node]
                     input_views.add(fx_node.name)
-                    continue
+                    if fx_node.name not in captured.user_outputs:
+                        continue
                 owner[fx_node.name] = base_owner  # a view of a global is a global
                 global_views.append(fx_node)
                 continue
@@ -491,7 +493,7 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
                 if line not in prologue:
                     prologue.append(line)
     for name in outputs:
-        if name in static:
+        if name in static and name not in owner:  # (an input's view is static and a global)
             raise UnsupportedOperation(
                 f"output {name!r} does not depend on the model's inputs; Rockmate needs outputs "
                 "computed from the inputs"
@@ -504,7 +506,48 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         owner=owner,
         outputs=outputs,
     )
+    _move_views_to_their_reader(simplified)
     return _sink_free_nodes(simplified)
+
+
+def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
+    """Make a view of a node's result that one other node alone reads in that node, as eager
+    makes it where the model's code does.
+
+    Eager adds the gradient contributions of a tensor in the order its engine runs their
+    backward nodes (the latest created first); a view's backward is one of them, placed by
+    where the view was made. Made in its reader's island, the view's contribution reaches the
+    node's gradient among the others in that order (the reader's reads are split, see
+    :class:`rkgb.gradsink.GradientQueue`), and with its layout: a transposed gradient added
+    first makes the sum transposed, and a bias's gradient, a reduction over it, rounds as in
+    eager. A view that the node itself, the user or two nodes read stays in the node's body
+    (one leaf whose contributions the view's own backward sums first, as eager's does), and
+    so does one made before an in-place write of the node's result.
+    """
+    outputs = set(graph.outputs) | set(graph.captured.user_outputs)
+    line_holder = {line.name: node.name for node in graph.nodes for line in node.lines}
+    for node in graph.nodes:
+        for line in reversed(list(node.body)):
+            if classify(line) is not OpKind.VIEW or line.name in outputs or not line.users:
+                continue
+            later = node.body[node.body.index(line) + 1:]
+            if any(classify(other) is OpKind.INPLACE for other in later):
+                continue
+            readers = {line_holder.get(user.name) for user in line.users}
+            if len(readers) != 1 or None in readers or node.name in readers:
+                continue
+            reader = graph.node(readers.pop())
+            node.body.remove(line)
+            reader.prelude.insert(_first_reading(reader.prelude, line), line)
+            line_holder[line.name] = reader.name
+
+
+def _first_reading(lines: list[torch.fx.Node], line: torch.fx.Node) -> int:
+    """Where ``line`` goes in ``lines``: before the first line that reads it, else last."""
+    for index, other in enumerate(lines):
+        if line in other.all_input_nodes:
+            return index
+    return len(lines)
 
 
 def _merge_static_lines(lines: list[torch.fx.Node], static_inputs, static) -> list[torch.fx.Node]:

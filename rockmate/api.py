@@ -11,20 +11,25 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
+import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from exec import CompiledModule
+from exec.timeline import Timeline, measure_timeline
 from rkgb.build import ModelGraphs, build
 from rkgb.cdgraph import ComputeKind
 from rkgb.errors import describe_fx_node
 from solvers import registry
 from solvers.bounds import operation_floor
 from solvers.schedule import Plan
-from solvers.simulate import simulate
 
 from .budget import format_bytes, parse_budget
 from .errors import InfeasibleBudget
+from .signature import CallSignature, FlatModel, split_sample
 
 __all__ = ["Rockmate", "min_budget", "BuildOptions"]
 
@@ -75,8 +80,11 @@ class Rockmate(nn.Module):
 
     Args:
         model: the ``nn.Module`` to train; its parameters receive the gradients.
-        sample: a tensor or a tuple of positional inputs with the shapes and dtypes of the
-            training inputs (the plan is specific to them).
+        sample: the inputs of a training call, with its shapes and dtypes (the plan is
+            specific to them): a tensor, a tuple of positional inputs, or a dict of keyword
+            inputs (``{"input_ids": ..., "labels": ...}``); ``args=`` and ``kwargs=`` give
+            both. Non-tensor arguments are fixed at their sample values. The compiled module
+            is called as the model is and returns the model's output structure.
         budget: bytes (int) or a string such as ``"300MiB"`` or ``"1.5GB"``.
         solver: ``"rockmate"`` (default), ``"rotor"``, ``"checkmate"`` (whole graph, small
             models), ``"none"`` (no recomputation), or a solver object.
@@ -101,11 +109,15 @@ class Rockmate(nn.Module):
         loss.backward()
     """
 
-    def __init__(self, model: nn.Module, sample, budget, solver="rockmate", **options) -> None:
+    def __init__(self, model: nn.Module, sample=None, budget=None, solver="rockmate", *, args=None, kwargs=None,
+                 **options) -> None:
         super().__init__()
+        if budget is None:
+            raise TypeError("Rockmate needs a budget: Rockmate(model, sample, budget), e.g. budget=\"300MiB\"")
         budget_bytes = parse_budget(budget)
         build_options, solver_options = _split_options(options)
-        self.graphs = _build_graphs(model, sample, build_options)
+        self.signature, module, flat_sample = _flat_call(model, sample, args, kwargs)
+        self.graphs = _build_graphs(module, flat_sample, build_options)
         plan: Plan = registry.solve(self.graphs.model_chain, budget_bytes, solver, **solver_options)
         if not plan.feasible:
             floor, operation = _operation_floor(self.graphs)
@@ -113,21 +125,36 @@ class Rockmate(nn.Module):
         self.plan = plan
         whole = self.graphs.model_chain.whole_graph()
         self.compiled = CompiledModule(
-            model, self.graphs.simplified, plan.schedule, sample,
-            cdgraph=whole, peak_limit=simulate(whole, plan.schedule).peak_bytes,
+            module, self.graphs.simplified, plan.schedule, flat_sample,
+            cdgraph=whole, peak_limit=plan.predicted_peak - plan.held_bytes, first_run_bytes=plan.first_run_bytes,
         )
 
     @property
     def model(self) -> nn.Module:
-        return self.compiled.model
+        """The model given to Rockmate (its parameters receive the gradients)."""
+        module = self.compiled.model
+        return module.model if isinstance(module, FlatModel) else module
 
     @property
     def code(self) -> str:
         """The generated source of the forward and backward phases (like ``GraphModule.code``)."""
         return self.compiled.code
 
-    def forward(self, *args):
-        return self.compiled(*args)
+    def forward(self, *args, **kwargs):
+        """Call as the model is called: the same positional and keyword arguments as the
+        sample (tensors of the sample's shapes, dtypes and devices; the sample's non-tensor
+        values); returns the model's output structure (a tensor, tuple, dict, ``ModelOutput``)."""
+        if isinstance(self.compiled.model, FlatModel):
+            outputs = self.compiled(*self.signature.tensors(args, kwargs))
+            return self.signature.unflatten_output(outputs)
+        if kwargs:
+            raise TypeError(f"Rockmate was built with positional inputs only and received the keyword "
+                            f"arguments {sorted(kwargs)}; build it with them in the sample (a dict, or kwargs=)")
+        outputs = self.compiled(*args)
+        spec = self.graphs.captured.out_spec
+        if isinstance(outputs, tuple) and spec is not None and spec.type is not tuple:
+            return pytree.tree_unflatten(list(outputs), spec)  # a dict or a list, as the model returns
+        return outputs
 
     def render(self, directory) -> list[str]:
         """Draw the forward graph, the blocks, the CD-graphs and the schedule with graphviz.
@@ -148,6 +175,21 @@ class Rockmate(nn.Module):
         )
 
 
+def _flat_call(model: nn.Module, sample, args, kwargs) -> tuple[CallSignature, nn.Module, tuple]:
+    """The call's signature, the module the pipeline captures and its positional sample: the
+    model itself where it is called with positional tensors, else :class:`FlatModel`."""
+    call_args, call_kwargs = split_sample(sample, args, kwargs)
+    signature = CallSignature.of(call_args, call_kwargs)
+    if signature.is_plain:
+        return signature, model, call_args
+    return signature, FlatModel(model, signature), tuple(signature.leaves[i] for i in signature.tensor_positions)
+
+
+def _sum_of_outputs(outputs) -> torch.Tensor:
+    """The default loss of a measured step: the sum of every output's elements."""
+    return sum(t.sum() for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad)
+
+
 def _operation_floor(graphs: ModelGraphs) -> tuple[int, str]:
     """The operation floor of the model (bytes) and the operation that sets it, described with
     its module path and source line."""
@@ -164,8 +206,11 @@ def _operation_floor(graphs: ModelGraphs) -> tuple[int, str]:
     return held + floor.bytes, ("the backward of " if node.kind is ComputeKind.BACKWARD else "") + what
 
 
-def min_budget(model: nn.Module, sample, solver="rockmate", **options) -> int:
-    """The smallest budget (bytes) that ``solver`` can meet for ``model`` on ``sample``."""
+def min_budget(model: nn.Module, sample=None, solver="rockmate", *, args=None, kwargs=None, **options) -> int:
+    """The smallest budget (bytes) that ``solver`` can meet for ``model`` on ``sample``
+    (given as ``Rockmate`` takes it: a tensor, a tuple, a dict of keyword inputs, or
+    ``args=``/``kwargs=``)."""
     build_options, solver_options = _split_options(options)
-    graphs = _build_graphs(model, sample, build_options)
+    _, module, flat_sample = _flat_call(model, sample, args, kwargs)
+    graphs = _build_graphs(module, flat_sample, build_options)
     return registry.min_budget(graphs.model_chain, solver, **solver_options)

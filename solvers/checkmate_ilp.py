@@ -386,7 +386,7 @@ class RkCheckmateILP:
         if warm_start and solver == "cbc":
             backend.optionsDict["warmStart"] = True
         start = time.perf_counter()
-        self.prob.solve(backend)
+        self._solve_with_fallback(backend, solver, time_limit_s, gap)
         elapsed = time.perf_counter() - start
         status = pulp.LpStatus[self.prob.status]
         has_solution = self.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
@@ -411,6 +411,26 @@ class RkCheckmateILP:
             solve_time_s=elapsed,
         )
 
+
+    def _solve_with_fallback(self, backend: pulp.LpSolver, solver: str, time_limit_s: float | None,
+                             gap: float) -> None:
+        """Solve with ``backend``; where the backend itself fails (CBC's executable crashing, a
+        HiGHS error), solve again with the other backend (HiGHS where installed, else CBC
+        without a start), so that no backend's exception reaches the user."""
+        try:
+            self.prob.solve(backend)
+            return
+        except (pulp.PulpSolverError, OSError, RuntimeError) as error:
+            first_error = error
+        fallback = "highs" if solver == "cbc" and highs_available() else "cbc"
+        for v in self.prob.variables():  # no stale start for the fallback
+            v.varValue = None
+        try:
+            self.prob.solve(make_pulp_solver(fallback, time_limit_s, gap))
+        except (pulp.PulpSolverError, OSError, RuntimeError) as error:
+            raise RuntimeError(
+                f"the ILP solvers failed on a block of {len(self.nodes)} nodes: {solver}: {first_error}; {fallback}: {error}"
+            ) from error
 
     def _set_start(self, computes: list[str]) -> None:
         """Give every integer variable the value of ``computes`` (a feasible sequence)."""

@@ -20,8 +20,9 @@ Rematerialization", MLSys 2020). The memory model is the one of ``rkgb.cdgraph``
   (new memory unless it is such an alias) until the next compute node starts (or the schedule
   ends): as eager's engine, which adds a node's outputs into the next buffers only after
   releasing its inputs, the executor adds it after the forgets that follow the backward. Then
-  a second contribution becomes a new tensor (``old + grad``) that the gradient owns, the old
-  one released; later ones are added in place (nothing new);
+  it is added in place into a gradient whose storage nothing else holds (eager's buffer steals
+  it), or into a new tensor (``old + grad``) where the storage is shared (an alias of another
+  gradient), the old one released;
 - ``Compute(fwd_x, with_grad=False)`` produces no phantoms;
 - ``bwd_x`` needs, besides its ``needs``, ``x.grad`` and ``x.phantoms`` (when those nodes
   exist), and consumes the phantoms: they cannot serve another backward;
@@ -94,9 +95,9 @@ class _Storages:
         self.storage: dict[str, list[int | None]] = {}  # alive node -> storage of each part
         self.holders: dict[int, int] = {}
         self.bytes: dict[int, int] = {}
-        self.owned: set[tuple[str, int]] = set()  # parts holding a sum made by accumulation
         # contributions waiting to be added into alive gradients: (node, part, storage)
         self.pending: list[tuple[str, int, int]] = []
+        self.shared: set[int] = set()  # storages that another tensor shares (ComputeNode.shared)
         self.memory = 0
         self._next = 0
 
@@ -124,6 +125,7 @@ class _Storages:
         if self.holders[storage] == 0:
             self.memory -= self.bytes.pop(storage)
             del self.holders[storage]
+            self.shared.discard(storage)
 
     def add(self, d: str) -> int:
         """``d`` becomes alive with new storages (replacing its old ones); return their bytes."""
@@ -133,7 +135,6 @@ class _Storages:
         for i, storage in enumerate(self.storage.pop(d)):
             if storage is not None:
                 self._release(storage)
-            self.owned.discard((d, i))
 
     def _new(self, size: int) -> int:
         """A new storage of ``size`` bytes held once (by a waiting contribution)."""
@@ -162,6 +163,8 @@ class _Storages:
                         self._hold(d, i, alias)
                     else:
                         self._hold_new(d, i)
+                        if i in node.shared.get(d, ()):
+                            self.shared.add(parts[i])
                     continue
                 # a contribution to a gradient alive: it waits for the flush
                 if alias is not None:
@@ -173,28 +176,31 @@ class _Storages:
                 self.pending.append((d, i, storage))
         return self.memory - before
 
-    def flush(self) -> int:
-        """Add the waiting contributions into their gradients; return the peak while it runs."""
+    def flush(self, only: str | None = None) -> int:
+        """Add the waiting contributions (to gradient ``only``, or all) into their gradients;
+        return the peak while it runs."""
         peak = self.memory
-        for d, i, storage in self.pending:
-            if (d, i) not in self.owned:  # old + grad: a new tensor, then the old one goes
+        flushed = [entry for entry in self.pending if only is None or entry[0] == only]
+        for d, i, storage in flushed:
+            held = self.storage[d][i]
+            if self.holders[held] > 1 or held in self.shared:  # shared: old + grad, a new tensor
                 peak = max(peak, self.memory + (0 if d in self.uncounted else self.graph.data(d).part_sizes[i]))
-                self._hold_new(d, i)
-                self.owned.add((d, i))
-            self._release(storage)  # the contribution
-        self.pending.clear()
+                self._hold_new(d, i)  # then the old one goes
+            self._release(storage)  # the contribution (added in place into a gradient held alone)
+        self.pending = [entry for entry in self.pending if entry not in flushed]
         return peak
 
 
 def _flush(storages: _Storages, kept: int, waiting: list[int]) -> int:
-    """Flush the waiting contributions (the CD-graph's, then the first-run gradients', each a
-    new sum while the old one and it live); return the peak while it runs."""
-    peak = storages.flush() + kept + sum(waiting)
-    memory = storages.memory + kept + sum(waiting)
-    for size in waiting:
-        peak = max(peak, memory + size)
-        memory -= size  # the sum replaces the old gradient; the contribution goes
-    waiting.clear()
+    """Flush the waiting contributions (the CD-graph's, and the first-run gradients', each a new
+    sum while the old one and it live); return the peak while it runs.
+
+    The executor hands them over in the order the engine made them, mixed: the peak is what
+    was there before, plus the biggest sum made while all the others still wait."""
+    before = storages.memory + kept + sum(waiting)
+    extra = storages.flush() - (before - kept - sum(waiting))
+    peak = before + max([extra] + waiting)
+    waiting.clear()  # each sum replaces its old gradient; the contributions go
     return peak
 
 
@@ -232,6 +238,7 @@ def simulate(
     keep_outputs: bool = True,
     initially_alive: set[str] | None = None,
     first_run_bytes: dict[str, tuple[FirstRun, ...]] | None = None,
+    same_call: set[int] | None = None,
 ) -> SimulationResult:
     """Replay ``schedule`` on ``graph``; return its peak memory and time.
 
@@ -255,6 +262,9 @@ def simulate(
         (for ``only_if_rerun`` keys, only when the node runs again later in ``schedule``;
         ``until_loss`` keys are freed at the loss); a later run holds that much more while it
         runs (a replay saves the outer state, an accumulation adds into a new tensor).
+    same_call
+        Indices of backwards that run in the same engine call as the backward before them (a
+        merged island, :mod:`exec.merge`): the contributions of that one wait through them.
 
     Returns
     -------
@@ -327,7 +337,12 @@ def simulate(
         node = graph.compute(op.node)
         # the contributions of the previous backward join their gradients (the executor
         # flushes them as the next compute starts)
-        flushed = _flush(storages, kept, waiting)
+        if same_call and i in same_call:
+            # in the engine call of the backward before: only what that one gave this node's
+            # gradient joins it (in the engine's buffer), the rest still waits
+            flushed = storages.flush(only=data_name(node.target, DataKind.GRAD)) + kept + sum(waiting)
+        else:
+            flushed = _flush(storages, kept, waiting)
         memory = storages.memory
         if flushed > peak:
             peak, peak_index = flushed, i
@@ -379,6 +394,8 @@ def simulate(
             elif not entry.only_if_rerun or runs[node.name] > 1:
                 first_runs.add(entry.key)
                 kept += entry.bytes
+                if entry.in_overhead:  # in the node's measured temporary memory meanwhile
+                    again -= entry.bytes
         during = memory + kept + sum(waiting) + again + node.overhead(
             op.with_grad or node.kind is not ComputeKind.FORWARD) + added
         memory_during.append(max(during, flushed))

@@ -17,11 +17,26 @@ import torch
 
 from rkgb.memory import measure_allocator_peak
 
-__all__ = ["DotLoss", "LOSS_BYTES", "CheckReport", "check_training", "eager_peak"]
+__all__ = ["bitwise_equal", "DotLoss", "LOSS_BYTES", "CheckReport", "check_training", "eager_peak"]
 
 # the loss's own scalars (its dot products, their sum, the gradient of the sum), which the
 # test allocates beside the module's memory
 LOSS_BYTES = 64
+
+
+_SAME_SIZE_INTEGER = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (NaNs included: a step that diverges must diverge the
+    same way; ``torch.equal`` calls two NaNs different)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        integer = _SAME_SIZE_INTEGER[a.element_size()] if not a.is_complex() else None
+        if integer is not None:
+            return torch.equal(a.contiguous().view(integer), b.contiguous().view(integer))
+    return torch.equal(a, b)
 
 
 def _flat(outputs) -> tuple:
@@ -154,19 +169,19 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
     peaks = []
     for step, ((out_e, grad_e, in_e, _), (out_g, grad_g, in_g, peak)) in enumerate(zip(expected, got)):
         for i, (a, b) in enumerate(zip(out_e, out_g)):
-            assert a.shape == b.shape and torch.equal(a, b), f"step {step}: output {i} differs"
+            assert bitwise_equal(a, b), f"step {step}: output {i} differs"
         for (path, _), a, b in zip(reference.named_parameters(), grad_e, grad_g):
             assert (a is None) == (b is None), f"step {step}: gradient of {path}: {a} against {b}"
-            assert a is None or torch.equal(a, b), f"step {step}: gradient of {path} differs"
+            assert a is None or bitwise_equal(a, b), f"step {step}: gradient of {path} differs"
         for i, (a, b) in enumerate(zip(in_e, in_g)):
             assert (a is None) == (b is None), f"step {step}: gradient of input {i}: {a} against {b}"
-            assert a is None or torch.equal(a, b), f"step {step}: gradient of input {i} differs"
+            assert a is None or bitwise_equal(a, b), f"step {step}: gradient of input {i} differs"
         if not (peak <= budget + slack and (1 - tolerance) * predicted <= peak <= predicted + slack):
             raise AssertionError(f"step {step}: allocator peak {peak} B against a predicted {predicted} B "
                                  f"(budget {budget} B): " + where_memory_differs(compiled, sample, loss))
         peaks.append(peak)
     for (path, a), b in zip(reference.named_buffers(), model.buffers()):
-        assert torch.equal(a, b), f"buffer {path} differs"
+        assert bitwise_equal(a, b), f"buffer {path} differs"
     return CheckReport(compiled, budget, predicted, peaks, eager, minimum)
 
 
