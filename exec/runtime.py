@@ -291,6 +291,17 @@ class _Runner:
         return StepState(saved)
 
 
+def autocast_state() -> tuple:
+    """Which autocast is on, per device type (enabled, dtype): what a capture records."""
+    return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                 for device in ("cpu", "cuda"))
+
+
+def _describe_autocast(state: tuple) -> str:
+    on = [f"{device}:{str(dtype).replace('torch.', '')}" for device, enabled, dtype in state if enabled]
+    return "(" + ", ".join(on) + ")" if on else "off"
+
+
 class CompiledModule(nn.Module):
     """``model`` executed by ``schedule``: same outputs, gradients and buffer updates.
 
@@ -343,6 +354,10 @@ class CompiledModule(nn.Module):
         self._parameter_refs = [(name, *self._owner_of(path)) for name, path in captured.parameters.items()]
         self._buffer_refs = [(name, *self._owner_of(path)) for name, path in captured.buffers.items()]
         self._runners: dict[tuple, _Runner] = {}
+        # the dtype and device of each parameter and buffer at build time: the plan's sizes and
+        # kernels are theirs (a model cast or moved afterwards needs a new plan)
+        self._state_signature = self._current_state_signature()
+        self._autocast = autocast_state()  # the graph holds the casts of the build's autocast
         # run each schedule operation inside a profiler range (exec.timeline), off by default
         self.markers = False
         self.runner_for(sample)  # the code of the sample's pattern, generated now
@@ -370,7 +385,30 @@ class CompiledModule(nn.Module):
         """The generated source of the schedule (for the sample's ``requires_grad`` pattern)."""
         return next(iter(self._runners.values())).code.source
 
+    def _current_state_signature(self) -> list[tuple[str, torch.dtype, torch.device]]:
+        captured = self.graph.captured
+        paths = {**captured.parameters, **captured.buffers}
+        refs = self._parameter_refs + self._buffer_refs
+        return [(paths.get(name, name), getattr(m, a).dtype, getattr(m, a).device) for name, m, a in refs]
+
+    def _check_state(self) -> None:
+        """A clear error where the model was cast or moved (``.to(torch.float64)``, ``.cuda()``)
+        after the plan was made."""
+        for (name, dtype, device), (_, now_dtype, now_device) in zip(self._state_signature,
+                                                                     self._current_state_signature()):
+            if (dtype, device) != (now_dtype, now_device):
+                raise ValueError(
+                    f"Rockmate: the model's {name} is {now_dtype} on {now_device} but the plan was made for "
+                    f"{dtype} on {device}: the model was cast or moved after Rockmate was built; build "
+                    f"Rockmate again after .to(...), with a sample of the new dtype and device")
+
     def _check_inputs(self, args: tuple) -> None:
+        self._check_state()
+        if autocast_state() != self._autocast:
+            raise ValueError(
+                f"Rockmate: called with autocast {_describe_autocast(autocast_state())} but built with autocast "
+                f"{_describe_autocast(self._autocast)}: the captured graph holds the casts of the build's "
+                f"autocast; build Rockmate inside the same torch.autocast(...) context as the training step")
         if len(args) != len(self._sample_signature):
             raise ValueError(
                 f"Rockmate expected {len(self._sample_signature)} positional inputs, received "
@@ -384,7 +422,8 @@ class CompiledModule(nn.Module):
                         f"Rockmate: input {index} has shape {list(received[0])}, dtype "
                         f"{received[1]}, device {received[2]}, but the module was compiled for "
                         f"shape {list(expected[0])}, dtype {expected[1]}, device {expected[2]}; "
-                        "Rockmate must be rebuilt for new shapes"
+                        "the plan is specific to the sample's shapes, dtypes and devices: build Rockmate "
+                        "again with a sample like this input"
                     )
             elif isinstance(value, torch.Tensor) or isinstance(expected, tuple) or value != expected:
                 raise ValueError(

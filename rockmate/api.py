@@ -117,17 +117,35 @@ class Rockmate(nn.Module):
         budget_bytes = parse_budget(budget)
         build_options, solver_options = _split_options(options)
         self.signature, module, flat_sample = _flat_call(model, sample, args, kwargs)
+        # what a copy re-plans from (copy.deepcopy, pickle, torch.save: see __reduce__)
+        self._recipe = dict(call=self.signature.call_with(flat_sample) if isinstance(module, FlatModel)
+                            else (tuple(flat_sample), {}), budget=budget, solver=solver, options=options)
         self.graphs = _build_graphs(module, flat_sample, build_options)
         plan: Plan = registry.solve(self.graphs.model_chain, budget_bytes, solver, **solver_options)
         if not plan.feasible:
             floor, operation = _operation_floor(self.graphs)
             raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver, floor, operation)
+        plan.timings = {**self.graphs.phase_seconds, **plan.timings}
         self.plan = plan
         whole = self.graphs.model_chain.whole_graph()
         self.compiled = CompiledModule(
             module, self.graphs.simplified, plan.schedule, flat_sample,
             cdgraph=whole, peak_limit=plan.predicted_peak - plan.held_bytes, first_run_bytes=plan.first_run_bytes,
         )
+
+    def __reduce__(self):
+        """``copy.deepcopy``, ``pickle`` and ``torch.save`` keep the model (its parameters,
+        buffers and gradients as they are now), the sample, the budget and the options; the
+        copy plans again from them when it is loaded (the compiled code and the captured
+        graphs are not data that can be copied). With the disk plan cache this re-solves no
+        option; with measured costs the new plan may differ from this one, and it is exact
+        and within the budget as any plan is."""
+        recipe = self._recipe
+        if not isinstance(recipe["solver"], str):
+            raise TypeError("a Rockmate built with a solver object cannot be copied or pickled: "
+                            "pass the solver by name, or build a new Rockmate on a copy of the model")
+        return _rebuilt, (self.model, recipe["call"], recipe["budget"], recipe["solver"], recipe["options"],
+                          self.training)
 
     @property
     def model(self) -> nn.Module:
@@ -156,6 +174,28 @@ class Rockmate(nn.Module):
             return pytree.tree_unflatten(list(outputs), spec)  # a dict or a list, as the model returns
         return outputs
 
+    def memory_timeline(self, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> Timeline:
+        """Run one training step on the call ``(*args, **kwargs)`` (``loss_fn(output).backward()``;
+        by default the sum of every output's elements) and return the memory of each
+        operation of the schedule, predicted by the plan against measured by the allocator
+        (CPU: the profiler's allocation events). The step's gradients accumulate into the
+        parameters as any step's do."""
+        loss_fn = loss_fn or _sum_of_outputs
+        if isinstance(self.compiled.model, FlatModel):
+            tensors = tuple(self.signature.tensors(args, kwargs))
+            return measure_timeline(self.compiled, tensors,
+                                    lambda outputs: loss_fn(self.signature.unflatten_output(outputs)), self.plan)
+        return measure_timeline(self.compiled, args, loss_fn, self.plan)
+
+    def plot_memory(self, path, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> Path:
+        """Draw :meth:`memory_timeline` of one step on the call ``(*args, **kwargs)`` to ``path``
+        with matplotlib: predicted against measured, the budget, and the operation where the
+        measured peak is. Returns the path written."""
+        from .plot import plot_timeline
+
+        timeline = self.memory_timeline(*args, loss_fn=loss_fn, **kwargs)
+        return plot_timeline(timeline, path, budget=self.plan.budget)
+
     def render(self, directory) -> list[str]:
         """Draw the forward graph, the blocks, the CD-graphs and the schedule with graphviz.
 
@@ -173,6 +213,14 @@ class Rockmate(nn.Module):
             f"solver={plan.solver!r}, blocks={len(self.graphs.chain.blocks)}, "
             f"classes={len(self.graphs.chain.classes)}"
         )
+
+
+def _rebuilt(model: nn.Module, call: tuple, budget, solver: str, options: dict, training: bool) -> "Rockmate":
+    """A Rockmate planned again for ``model`` (the target of :meth:`Rockmate.__reduce__`)."""
+    args, kwargs = call
+    with torch.random.fork_rng(devices=[]):  # planning runs the model: leave the user's generator
+        rebuilt = Rockmate(model, None, budget, solver, args=args, kwargs=kwargs, **options)
+    return rebuilt.train(training)
 
 
 def _flat_call(model: nn.Module, sample, args, kwargs) -> tuple[CallSignature, nn.Module, tuple]:

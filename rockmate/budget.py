@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import re
 
 __all__ = ["parse_budget", "format_bytes"]
@@ -28,13 +30,18 @@ def parse_budget(budget) -> int:
     if isinstance(budget, int):
         value = budget
     elif isinstance(budget, float):
+        if not math.isfinite(budget):
+            raise ValueError(f"budget must be a finite number of bytes; got {budget!r}: use {_ACCEPTED}")
         value = int(budget)
     elif isinstance(budget, str):
         match = _PATTERN.match(budget)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
             raise ValueError(f"cannot read the budget {budget!r}: use {_ACCEPTED}")
-        value = int(float(match.group(1)) * _UNITS[unit])
+        number = float(match.group(1))
+        if not math.isfinite(number):
+            raise ValueError(f"budget must be a finite number of bytes; got {budget!r}: use {_ACCEPTED}")
+        value = int(number * _UNITS[unit])
     else:
         raise ValueError(f"budget must be {_ACCEPTED}; got a {type(budget).__name__}")
     if value <= 0:

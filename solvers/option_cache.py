@@ -2,12 +2,22 @@
 
 Solving a class's option grid (rk-Checkmate ILPs) is the slow part of planning; the options
 depend only on the CD-graph and the grid settings. The cache makes re-planning the same model
-(another budget, another solver run, a restarted script with ``directory`` set) instantaneous.
+(another budget, another solver run, a restarted script) instantaneous: in memory, and on disk
+by default under the user's cache directory (``$ROCKMATE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/rockmate``, else ``~/.cache/rockmate``; ``ROCKMATE_CACHE_DIR=off`` turns the
+disk off).
+
+The key is the CD-graph's content with each operation's measured time rounded to two
+significant digits (timings vary from one build to the next by a few percent; memory, which
+the options' validity rests on, is keyed exactly), the grid settings and
+:data:`OPTIONS_FORMAT`, which changes whenever the options computed for a graph would.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import os
 import pickle
 from collections import OrderedDict
@@ -15,7 +25,26 @@ from typing import Callable
 
 from rkgb.cdgraph import CDGraph
 
-__all__ = ["OptionCache", "default_cache"]
+__all__ = ["OptionCache", "default_cache", "default_directory", "OPTIONS_FORMAT"]
+
+# bump when the options of a given CD-graph change (the ILP, the grid, the repair, the fields)
+OPTIONS_FORMAT = 3
+
+
+def _rounded(seconds: float) -> float:
+    """``seconds`` to two significant digits (the key's tolerance to timing noise)."""
+    if seconds <= 0 or not math.isfinite(seconds):
+        return seconds
+    return round(seconds, 1 - int(math.floor(math.log10(seconds))))
+
+
+def default_directory() -> str | None:
+    """The disk cache's directory from the environment (None: ``ROCKMATE_CACHE_DIR=off``)."""
+    chosen = os.environ.get("ROCKMATE_CACHE_DIR")
+    if chosen is not None:
+        return None if chosen.strip().lower() in ("", "off", "0", "none") else chosen
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "rockmate")
 
 
 class OptionCache:
@@ -31,7 +60,8 @@ class OptionCache:
 
     @staticmethod
     def key(graph: CDGraph, settings: tuple) -> str:
-        content = repr((graph.compute_nodes, graph.data_nodes, graph.input_data, graph.input_grads,
+        computes = [dataclasses.replace(node, time_s=_rounded(node.time_s)) for node in graph.compute_nodes]
+        content = repr((OPTIONS_FORMAT, computes, graph.data_nodes, graph.input_data, graph.input_grads,
                         graph.output_data, graph.output_grads, settings))
         return hashlib.sha256(content.encode()).hexdigest()
 
@@ -42,22 +72,42 @@ class OptionCache:
             self.hits += 1
             return self._entries[key]
         path = os.path.join(self.directory, f"{key}.pkl") if self.directory else None
-        if path and os.path.exists(path):
-            with open(path, "rb") as handle:
-                value = pickle.load(handle)
+        value = self._read(path) if path and os.path.exists(path) else None
+        if value is not None:
             self.hits += 1
         else:
             self.misses += 1
             value = compute()
             if path:
-                os.makedirs(self.directory, exist_ok=True)
-                with open(path + ".tmp", "wb") as handle:
-                    pickle.dump(value, handle)
-                os.replace(path + ".tmp", path)
+                self._write(path, value)
         self._entries[key] = value
         if len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         return value
 
 
-default_cache = OptionCache(directory=os.environ.get("ROCKMATE_CACHE_DIR") or None)
+    @staticmethod
+    def _read(path: str):
+        """An entry from disk, or None where it cannot be read (a partial or foreign file is
+        solved again and rewritten, never an error)."""
+        try:
+            with open(path, "rb") as handle:
+                return pickle.load(handle)
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError):
+            return None
+
+    @staticmethod
+    def _write(path: str, value) -> None:
+        """Write an entry atomically; a read-only or full disk leaves the cache in memory only."""
+        temporary = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(temporary, "wb") as handle:
+                pickle.dump(value, handle)
+            os.replace(temporary, path)
+        except OSError:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+
+
+default_cache = OptionCache(directory=default_directory())

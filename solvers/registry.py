@@ -98,6 +98,15 @@ def _infeasible(chain: ModelChain, budget: int, name: str, minimum: int, **field
     )
 
 
+def _progress(items, description: str):
+    """``items`` with a progress bar on a terminal (tqdm, where installed; none in logs)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=description, leave=False, disable=None)
+
+
 # -- chain planners (rk-Rotor over options) ---------------------------------------------------
 @dataclass
 class ChainPlanner:
@@ -106,6 +115,8 @@ class ChainPlanner:
     name: str
     slots: int = 500
     _classes: dict[int, tuple[object, ClassOptions]] = field(default_factory=dict, repr=False)
+    option_seconds: dict[str, float] = field(default_factory=dict, repr=False)
+    dp_seconds: float = 0.0
 
     def class_options(self, chain: ModelChain, index: int) -> ClassOptions:  # pragma: no cover
         raise NotImplementedError
@@ -124,6 +135,12 @@ class ChainPlanner:
         per_block: list[list[BlockOption]] = []
         last = len(chain.blocks) - 1
         last_variants: dict[int, list[BlockOption]] = {}
+        self.option_seconds = {}
+        for index in _progress(sorted({b.class_index for b in chain.blocks}), f"{self.name}: options per class"):
+            clock = time.perf_counter()
+            self._options_of(chain, index)
+            self.option_seconds[f"options of class {index} ({len(chain.classes[index].compute_nodes)} computes)"] = \
+                time.perf_counter() - clock
         for block in chain.blocks:
             options = self._options_of(chain, block.class_index)
             graph = chain.classes[block.class_index]
@@ -179,9 +196,17 @@ class ChainPlanner:
         return Schedule(ops)
 
     def solve(self, chain: ModelChain, budget: int) -> Plan:
+        plan = self._solve(chain, budget)
+        plan.timings.update(self.option_seconds)
+        plan.timings["dp"] = self.dp_seconds
+        return plan
+
+    def _solve(self, chain: ModelChain, budget: int) -> Plan:
         start = time.perf_counter()
         costs, per_block = self.chain_costs(chain)
+        clock = time.perf_counter()
         strategy = solve_chain(costs, int(budget), self.slots)
+        self.dp_seconds = time.perf_counter() - clock
         if strategy is None:
             top = _no_recompute_plan(chain, budget, self.name)
             if top.predicted_peak <= budget:

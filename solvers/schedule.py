@@ -78,3 +78,6 @@ class Plan:
     held_bytes: int = 0
     first_run_bytes: dict = field(default_factory=dict)  # ModelChain.first_run_bytes
     notes: list[str] = field(default_factory=list)
+    # where planning time went, in seconds: the solver's phases ("options of class 2", "dp");
+    # ``Rockmate`` adds the graph builder's ("capture", "inspect", ...)
+    timings: dict[str, float] = field(default_factory=dict)

@@ -29,6 +29,10 @@ import torch  # noqa: E402
 # per process the same step takes 4 to 13 ms, loaded or not.
 torch.set_num_threads(int(os.environ.get("ROCKMATE_TEST_THREADS", "1")))
 
+# Hermetic plans: no options read from (or written to) the user's disk cache of plans; the
+# cache's own tests give it a directory of their own.
+os.environ.setdefault("ROCKMATE_CACHE_DIR", "off")
+
 
 def seed_everything(seed: int = 0) -> None:
     """Seed Python's, NumPy's and torch's random generators (torch's on every device)."""

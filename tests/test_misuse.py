@@ -1,0 +1,200 @@
+"""Ordinary uses and misuses of a compiled module: a result equal to eager's, or a clear error.
+
+Budgets that cannot be read, calls unlike the sample, a model cast after building, copies
+(``deepcopy``, ``pickle``, ``torch.save``), optimizers over several steps, frozen parameters,
+integer inputs, half precisions, autocast, and models torch.export cannot capture.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from rockmate import Rockmate
+from rkgb.errors import CaptureError
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 4))
+
+
+X = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _compiled(model=None, sample=X, budget="1GB"):
+    return Rockmate(model if model is not None else _mlp(), sample, budget, cost_model="flops")
+
+
+def _same_training(compiled, model_of_compiled, reference, sample, steps=3, optimizer=None):
+    """Train both (loss: squares of the outputs) and assert bitwise equal parameters and grads."""
+    optimizers = [optimizer(m.parameters()) for m in (model_of_compiled, reference)] if optimizer else []
+    for step in range(steps):
+        for index, module in enumerate((compiled, reference)):
+            torch.manual_seed(step)
+            module(sample).pow(2).sum().backward()
+            if optimizers:
+                optimizers[index].step()
+                optimizers[index].zero_grad()
+        for (path, a), b in zip(reference.named_parameters(), model_of_compiled.parameters()):
+            assert torch.equal(a, b), f"step {step}: {path}"
+            assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), f"step {step}: {path}.grad"
+
+
+@pytest.mark.parametrize("budget, message", [
+    (-1, "positive"), (0, "positive"), (float("nan"), "finite"), (float("inf"), "finite"),
+    ("12 parsecs", "cannot read the budget"), ("lots", "cannot read the budget"), (True, "budget must be"),
+    ([1], "budget must be"),
+])
+def test_unreadable_budgets_are_clear_errors(budget, message):
+    with pytest.raises(ValueError, match=message):
+        _compiled(budget=budget)
+
+
+def test_a_missing_budget_is_a_clear_error():
+    with pytest.raises(TypeError, match="needs a budget"):
+        Rockmate(_mlp(), X)
+
+
+def test_calls_unlike_the_sample_are_clear_errors():
+    compiled = _compiled()
+    with pytest.raises(ValueError, match=r"shape \[4, 8\].*compiled for shape \[3, 8\]"):
+        compiled(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="dtype torch.float64.*build Rockmate again"):
+        compiled(X.double())
+    with pytest.raises(ValueError, match="expected 1 positional inputs, received 2"):
+        compiled(X, X)
+
+
+def test_a_model_cast_after_building_is_a_clear_error():
+    compiled = _compiled()
+    compiled.to(torch.float64)
+    with pytest.raises(ValueError, match="cast or moved after Rockmate was built"):
+        compiled(X.double())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copies_train_exactly_like_the_original(how):
+    compiled = _compiled()
+    compiled(X).sum().backward()  # a copy keeps the model's gradients as they are
+    if how == "deepcopy":
+        copied = copy.deepcopy(compiled)
+    elif how == "pickle":
+        copied = pickle.loads(pickle.dumps(compiled))
+    else:
+        buffer = io.BytesIO()
+        torch.save(compiled, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert copied.model is not compiled.model and copied.plan.budget == compiled.plan.budget
+    reference = copy.deepcopy(compiled.model)
+    _same_training(copied, copied.model, reference, X)
+
+
+def test_state_dict_round_trip():
+    compiled, other = _compiled(), _compiled(nn.Sequential(*[copy.deepcopy(m) for m in _mlp()]))
+    with torch.no_grad():
+        for p in compiled.model.parameters():
+            p.add_(1.0)
+    other.load_state_dict(compiled.state_dict())
+    for a, b in zip(compiled.model.parameters(), other.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_adamw_over_five_steps_is_exact():
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    _same_training(_compiled(model), model, reference, X, steps=5, optimizer=torch.optim.AdamW)
+
+
+def test_frozen_parameters_and_a_parameter_unfrozen_after_building():
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    compiled = _compiled(model)
+    model[0].weight.requires_grad_(True)  # eager gives it a gradient: so must the plan
+    reference = copy.deepcopy(model)
+    _same_training(compiled, model, reference, X)
+
+
+def test_all_parameters_frozen_and_an_input_that_requires_grad():
+    model = _mlp()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = X.clone().requires_grad_()
+    compiled = _compiled(model, x)
+    reference = copy.deepcopy(model)
+    x_ref = X.clone().requires_grad_()
+    for module, inp in ((compiled, x), (reference, x_ref)):
+        torch.manual_seed(0)
+        module(inp).pow(2).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+
+
+def test_integer_inputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4))
+    ids = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(0))
+    reference = copy.deepcopy(model)
+    _same_training(_compiled(model, ids), model, reference, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models(dtype):
+    model = _mlp().to(dtype)
+    reference = copy.deepcopy(model)
+    _same_training(_compiled(model, X.to(dtype)), model, reference, X.to(dtype))
+
+
+def test_autocast_built_inside_is_exact_and_a_different_autocast_is_a_clear_error():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 4), nn.Softmax(-1),
+                          nn.LayerNorm(4))
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = _compiled(model)
+        for step in range(3):
+            outputs = []
+            for module in (compiled, reference):
+                torch.manual_seed(step)
+                outputs.append(module(X))
+                outputs[-1].float().pow(2).sum().backward()
+            assert outputs[0].dtype == outputs[1].dtype == torch.bfloat16
+            assert torch.equal(outputs[0], outputs[1])
+            for a, b in zip(model.parameters(), reference.parameters()):
+                assert torch.equal(a.grad, b.grad)
+    with pytest.raises(ValueError, match="called with autocast off but built with autocast"):
+        compiled(X)
+    plain = _compiled(_mlp())
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="built with autocast off"):
+        plain(X)
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if y.sum() > 0 else y
+
+
+class _NumPy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * float(y.detach().numpy().mean())
+
+
+@pytest.mark.parametrize("model, what", [(_DataDependent, "data-dependent"), (_NumPy, "numpy")])
+def test_models_export_cannot_capture_are_capture_errors(model, what):
+    with pytest.raises(CaptureError, match=f"could not capture {model.__name__}"):
+        _compiled(model())
