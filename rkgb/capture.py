@@ -318,6 +318,11 @@ def _check_no_module_hooks(model: nn.Module) -> None:
                 )
 
 
+def _model_name(model: nn.Module) -> str:
+    """The class name of the user's model (through an adapter that names it ``wrapped``)."""
+    return type(getattr(model, "wrapped", model)).__name__
+
+
 def capture(model: nn.Module, sample) -> CapturedGraph:
     """Export ``model`` on ``sample`` (non-strict) and functionalize the graph.
 
@@ -338,7 +343,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         reason = str(error).strip().splitlines()
         summary = "\n".join(reason[:12])
         raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {type(error).__name__}: "
+            f"torch.export could not capture {_model_name(model)}: {type(error).__name__}: "
             f"{summary}\nRockmate needs a model that torch.export.export(model, sample, "
             "strict=False) accepts (no data-dependent control flow on tensor values)."
         ) from error

@@ -82,7 +82,10 @@ def accumulate(old: torch.Tensor | None, grad: torch.Tensor, held_alone: bool) -
         if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
             grad = grad.clone()
         return grad
-    if held_alone and _storage_held_alone(old) and _non_overlapping_and_dense(old):
+    # (a contribution that is the gradient itself, or a view of it: an ``add``'s backward passes
+    # its one incoming gradient to every input, and that may be what this sink already holds)
+    same_storage = grad.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
+    if held_alone and not same_storage and _storage_held_alone(old) and _non_overlapping_and_dense(old):
         return old.add_(grad)
     return old + grad
 

@@ -379,6 +379,11 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
     outputs: list[str] = []
     model_inputs = {name for name in captured.inputs if name is not None}
     input_views: set[str] = set()  # static lines that are views of model inputs
+    # static values computed from integer or boolean model inputs (an attention mask built from
+    # ``attention_mask``, position ids), and from parameters: one value may not be both
+    input_derived: set[str] = set()
+    parameter_derived: set[str] = set()
+    parameters = set(captured.parameters)
 
     for fx_node in graph.nodes:
         if fx_node.op == "placeholder":
@@ -396,7 +401,11 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         kind = classify(fx_node)
         activation_inputs = [n for n in inputs if owner.get(n.name) in nodes]
         static_inputs = [n for n in inputs if n.name in static]
-        reads_model_input = any(owner.get(n.name) in model_inputs or n.name in input_views for n in inputs)
+        reads_model_input = any((owner.get(n.name) in model_inputs or n.name in input_views) and _may_require_grad(n)
+                                for n in inputs)
+        reads_integer_input = any(n.name in input_derived or (
+            (owner.get(n.name) in model_inputs or n.name in input_views) and not _may_require_grad(n)) for n in inputs)
+        reads_parameter = any(n.name in parameters or n.name in parameter_derived for n in inputs)
 
         if kind is OpKind.SHAPE:
             if _is_data_dependent(fx_node) and (activation_inputs or reads_model_input):
@@ -420,6 +429,10 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
                 static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
                 if base.name in input_views:
                     input_views.add(fx_node.name)
+                if reads_integer_input:
+                    input_derived.add(fx_node.name)
+                if reads_parameter:
+                    parameter_derived.add(fx_node.name)
                 continue
             base_owner = owner.get(base.name)
             if base_owner is None:
@@ -469,8 +482,17 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
                     holder.outputs.append(_tensor_output(fx_node, value))
             continue
 
-        if not activation_inputs and not reads_model_input and not _is_random(fx_node):
+        # static: reads no activation and nothing that can carry a gradient from the inputs;
+        # values computed from integer inputs (read by every layer, e.g. an attention mask) are
+        # recomputed where read instead of joining the layers into one block, unless they mix
+        # with parameters (an embedding is a node) or are returned
+        if not activation_inputs and not reads_model_input and not _is_random(fx_node) and not (
+                reads_integer_input and (reads_parameter or fx_node.name in captured.user_outputs)):
             static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
+            if reads_integer_input:
+                input_derived.add(fx_node.name)
+            if reads_parameter:
+                parameter_derived.add(fx_node.name)
             continue
 
         # an allocating op reading at least one activation or model input
@@ -557,6 +579,12 @@ def _merge_static_lines(lines: list[torch.fx.Node], static_inputs, static) -> li
             if line not in lines:
                 lines.append(line)
     return lines
+
+
+def _may_require_grad(fx_node: torch.fx.Node) -> bool:
+    """Whether the value of ``fx_node`` can require grad (a floating or complex tensor)."""
+    value = fx_node.meta.get("val")
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def _static_lines(static_inputs, static) -> list[torch.fx.Node]:

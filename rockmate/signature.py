@@ -140,6 +140,11 @@ class FlatModel(nn.Module):
         self.model = model
         self.signature = signature
 
+    @property
+    def wrapped(self) -> nn.Module:
+        """The user's model (what error messages name)."""
+        return self.model
+
     def forward(self, *tensors: torch.Tensor):
         args, kwargs = self.signature.call_with(tensors)
         return self.signature.flatten_output(self.model(*args, **kwargs))

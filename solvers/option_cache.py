@@ -7,10 +7,13 @@ by default under the user's cache directory (``$ROCKMATE_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/rockmate``, else ``~/.cache/rockmate``; ``ROCKMATE_CACHE_DIR=off`` turns the
 disk off).
 
-The key is the CD-graph's content with each operation's measured time rounded to two
-significant digits (timings vary from one build to the next by a few percent; memory, which
-the options' validity rests on, is keyed exactly), the grid settings and
-:data:`OPTIONS_FORMAT`, which changes whenever the options computed for a graph would.
+The key is the CD-graph's content without the operations' measured times (timings vary from
+one build to the next; memory, which the options' validity rests on, is keyed exactly), the
+grid settings and :data:`OPTIONS_FORMAT`, which changes whenever the options computed for a
+graph would. Each entry keeps the times it was solved with, and is used only where the new
+times are alike (:func:`similar_times`: each operation within a factor of two, operations
+under 1% of the block's time aside): options solved for a GPU's timings are not reused on a
+CPU, while a second build on the same machine re-solves nothing.
 """
 
 from __future__ import annotations
@@ -31,11 +34,19 @@ __all__ = ["OptionCache", "default_cache", "default_directory", "OPTIONS_FORMAT"
 OPTIONS_FORMAT = 3
 
 
-def _rounded(seconds: float) -> float:
-    """``seconds`` to two significant digits (the key's tolerance to timing noise)."""
-    if seconds <= 0 or not math.isfinite(seconds):
-        return seconds
-    return round(seconds, 1 - int(math.floor(math.log10(seconds))))
+def similar_times(old: tuple[float, ...], new: tuple[float, ...], factor: float = 2.0) -> bool:
+    """Whether options solved with the times ``old`` serve a graph with the times ``new``:
+    each operation's time within ``factor`` of the old one, but those that are under 1% of
+    the block's total time both times (whose noise cannot change a plan much)."""
+    if len(old) != len(new):
+        return False
+    floor = 0.01 * max(sum(old), sum(new))
+    for a, b in zip(old, new):
+        if max(a, b) <= floor:
+            continue
+        if min(a, b) <= 0 or max(a, b) / min(a, b) > factor or not math.isfinite(a + b):
+            return False
+    return True
 
 
 def default_directory() -> str | None:
@@ -60,30 +71,33 @@ class OptionCache:
 
     @staticmethod
     def key(graph: CDGraph, settings: tuple) -> str:
-        computes = [dataclasses.replace(node, time_s=_rounded(node.time_s)) for node in graph.compute_nodes]
+        computes = [dataclasses.replace(node, time_s=0.0) for node in graph.compute_nodes]
         content = repr((OPTIONS_FORMAT, computes, graph.data_nodes, graph.input_data, graph.input_grads,
                         graph.output_data, graph.output_grads, settings))
         return hashlib.sha256(content.encode()).hexdigest()
 
     def get_or_compute(self, graph: CDGraph, settings: tuple, compute: Callable[[], object]):
         key = self.key(graph, settings)
-        if key in self._entries:
+        times = tuple(node.time_s for node in graph.compute_nodes)
+        entry = self._entries.get(key)
+        if entry is not None and similar_times(entry[0], times):
             self._entries.move_to_end(key)
             self.hits += 1
-            return self._entries[key]
+            return entry[1]
         path = os.path.join(self.directory, f"{key}.pkl") if self.directory else None
-        value = self._read(path) if path and os.path.exists(path) else None
-        if value is not None:
+        entry = self._read(path) if path and os.path.exists(path) else None
+        if entry is not None and similar_times(entry[0], times):
             self.hits += 1
         else:
             self.misses += 1
-            value = compute()
+            entry = (times, compute())
             if path:
-                self._write(path, value)
-        self._entries[key] = value
+                self._write(path, entry)
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
         if len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
-        return value
+        return entry[1]
 
 
     @staticmethod
@@ -92,9 +106,11 @@ class OptionCache:
         solved again and rewritten, never an error)."""
         try:
             with open(path, "rb") as handle:
-                return pickle.load(handle)
+                entry = pickle.load(handle)
         except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError):
             return None
+        valid = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
+        return entry if valid else None
 
     @staticmethod
     def _write(path: str, value) -> None:

@@ -32,16 +32,27 @@ def test_a_second_build_reads_every_option_from_disk(tmp_path):
     assert replanned.schedule == plan.schedule and replanned.predicted_peak == plan.predicted_peak
 
 
-def test_the_key_tolerates_timing_noise_and_nothing_else(tmp_path):
+def test_timing_noise_reuses_options_and_other_timings_do_not(tmp_path):
     graph = _chain().classes[1]
-    noisy = dataclasses.replace(graph, compute_nodes=[dataclasses.replace(c, time_s=c.time_s * 1.001)
-                                                      for c in graph.compute_nodes])
+
+    def with_times(scale_of):
+        return dataclasses.replace(graph, compute_nodes=[dataclasses.replace(c, time_s=c.time_s * scale_of(i))
+                                                         for i, c in enumerate(graph.compute_nodes)])
+
+    settings = (3, 3)
+    noisy = with_times(lambda i: 1.3 if i % 2 else 0.8)  # a rebuild on the same machine
+    largest = max(range(len(graph.compute_nodes)), key=lambda i: graph.compute_nodes[i].time_s)
+    slower = with_times(lambda i: 3.0 if i == largest else 1.0)  # another device's relative costs
     bigger = dataclasses.replace(graph, compute_nodes=[dataclasses.replace(c, overhead_bytes=c.overhead_bytes + 4)
                                                        for c in graph.compute_nodes])
-    settings = (3, 3)
-    assert OptionCache.key(graph, settings) == OptionCache.key(noisy, settings)
+    assert OptionCache.key(graph, settings) == OptionCache.key(noisy, settings) == OptionCache.key(slower, settings)
     assert OptionCache.key(graph, settings) != OptionCache.key(bigger, settings)
     assert OptionCache.key(graph, settings) != OptionCache.key(graph, (3, 4))
+    cache = OptionCache(directory=str(tmp_path))
+    solved = []
+    for g in (graph, noisy, slower):
+        cache.get_or_compute(g, settings, lambda: solved.append(1) or len(solved))
+    assert len(solved) == 2 and cache.hits == 1 and cache.misses == 2
 
 
 def test_an_unreadable_entry_is_solved_again(tmp_path):
@@ -62,3 +73,27 @@ def test_plan_timings_say_where_planning_time_went():
     for phase in ("capture", "inspect", "dp"):
         assert phase in timings and timings[phase] >= 0
     assert any(key.startswith("options of class") for key in timings)
+
+
+def test_a_failing_ilp_backend_falls_back_to_another(monkeypatch):
+    """CBC's executable crashing (a PulpSolverError inside pulp) never reaches the user: the
+    ILP is solved again by the other backend and the plan is the same."""
+    import pulp
+
+    chain = _chain()
+    budget = registry.min_budget(chain, "rockmate", cache=OptionCache(), **GRID) * 3 // 2
+    expected = registry.solve(chain, budget, "rockmate", cache=OptionCache(), **GRID)
+    calls = {"failed": 0}
+    original = pulp.PULP_CBC_CMD.actualSolve
+
+    def crashing(self, lp, **kwargs):
+        if getattr(self, "_test_crash", True) and calls["failed"] < 3:
+            calls["failed"] += 1
+            raise pulp.PulpSolverError("Pulp: Error while trying to execute cbc (simulated)")
+        return original(self, lp, **kwargs)
+
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "actualSolve", crashing)
+    plan = registry.solve(chain, budget, "rockmate", cache=OptionCache(), **GRID)
+    assert calls["failed"] == 3 and plan.feasible
+    assert plan.predicted_peak <= budget
+    assert abs(plan.predicted_time - expected.predicted_time) <= 0.02 * expected.predicted_time

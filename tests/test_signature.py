@@ -122,11 +122,10 @@ def test_positional_model_returning_a_dict_keeps_its_structure():
 
 
 def test_transformers_called_with_keywords_and_labels():
-    """GPT-2 from transformers called as its users do, ``model(input_ids=..., labels=...,
-    use_cache=False)``, its ``CausalLMOutput`` returned: at its minimum budget, the loss and
-    gradients bitwise equal to eager's over three steps. (With ``attention_mask=`` too, the
-    mask that every layer reads merges the layers into one block: exact, but a minute of
-    planning; see the README's known limits.)"""
+    """GPT-2 from transformers called as its users do, ``model(input_ids=..., attention_mask=...,
+    labels=..., use_cache=False)``, its ``CausalLMOutput`` returned: at its minimum budget, the
+    loss and gradients bitwise equal to eager's over three steps. The mask that every layer
+    reads is recomputed where read: the layers stay blocks of their own."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=64,
                                      attn_implementation="eager")
@@ -134,9 +133,10 @@ def test_transformers_called_with_keywords_and_labels():
     model = transformers.GPT2LMHeadModel(config).train()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (2, 16), generator=generator)
-    call = dict(input_ids=ids, labels=ids, use_cache=False)
+    call = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False)
     budget = min_budget(copy.deepcopy(model), call, cost_model="flops")
     compiled = Rockmate(model, call, budget, cost_model="flops")
+    assert len(compiled.graphs.chain.blocks) >= 2 + config.n_layer * 2
     for expected, got in _train_both(model, compiled, call, lambda out: out.loss):
         assert type(got) is type(expected)
         assert torch.equal(expected.loss, got.loss) and torch.equal(expected.logits, got.logits)

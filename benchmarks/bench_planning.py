@@ -1,0 +1,104 @@
+"""Where planning time goes, per model: capture, inspection, each class's option grid, the DP;
+then the same build again with the plan cache (a new process's view: empty memory, the disk
+entries of the first build).
+
+    .venv/bin/python benchmarks/bench_planning.py                      # every model below
+    .venv/bin/python benchmarks/bench_planning.py --models gpt2 llama  # some
+
+Models: the zoo's bench GPT, and transformers models from tiny configs (random init, called
+with keywords and labels as their users call them). One intra-op thread; measured costs (the
+default cost model). The cache directory is a temporary one, so that the first build solves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from rockmate import Rockmate  # noqa: E402
+from solvers import registry  # noqa: E402
+from solvers.option_cache import OptionCache  # noqa: E402
+
+
+def _transformers_model(name: str):
+    import transformers
+
+    common = dict(vocab_size=256, attn_implementation="eager")
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, **common)
+        model = transformers.GPT2LMHeadModel(config)
+    elif name == "bert":
+        config = transformers.BertConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                         intermediate_size=128, max_position_embeddings=64, **common)
+        model = transformers.BertForMaskedLM(config)
+    elif name == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
+                                          **common)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        raise ValueError(name)
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    call = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    if name != "bert":
+        call["use_cache"] = False
+    return model.train(), call
+
+
+def _model(name: str):
+    if name == "gpt":
+        from zoo import ZOO
+
+        model, sample = ZOO["gpt"].build("bench")
+        return model, {"args": sample}
+    model, call = _transformers_model(name)
+    return model, {"kwargs": call}
+
+
+def _build(model, given, budget_fraction: float, cache: OptionCache):
+    """A build at ``budget_fraction`` of the no-recomputation plan's peak; (Rockmate, seconds of
+    the Rockmate build alone: capture, inspection, options, DP)."""
+    top = Rockmate(copy.deepcopy(model), **given, budget=10**13, solver="none")
+    budget = int(top.plan.predicted_peak * budget_fraction)
+    start = time.perf_counter()
+    compiled = Rockmate(model, **given, budget=budget, solver=registry.RockmateSolver(cache=cache))
+    return compiled, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["gpt", "gpt2", "bert", "llama"])
+    parser.add_argument("--fraction", type=float, default=0.5, help="of the no-recomputation peak")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    print(f"{'model':>6} {'blocks':>6} {'classes':>7} {'capture':>8} {'inspect':>8} {'options':>8} "
+          f"{'dp':>6} {'total':>7} {'slowest class':>36} {'2nd build':>9} {'2nd options':>11}")
+    for name in args.models:
+        model, given = _model(name)
+        with tempfile.TemporaryDirectory() as directory:
+            compiled, total = _build(model, given, args.fraction, OptionCache(directory=directory))
+            timings = compiled.plan.timings
+            options = {k: v for k, v in timings.items() if k.startswith("options of")}
+            slowest = max(options.items(), key=lambda kv: kv[1], default=("-", 0.0))
+            again, total_again = _build(model, given, args.fraction, OptionCache(directory=directory))
+            options_again = sum(v for k, v in again.plan.timings.items() if k.startswith("options of"))
+        print(f"{name:>6} {len(compiled.graphs.chain.blocks):>6} {len(compiled.graphs.chain.classes):>7} "
+              f"{timings.get('capture', 0):>8.1f} {timings.get('inspect', 0):>8.1f} {sum(options.values()):>8.1f} "
+              f"{timings.get('dp', 0):>6.2f} {total:>7.1f} {slowest[0][11:] + f' {slowest[1]:.1f} s':>36} "
+              f"{total_again:>9.1f} {options_again:>11.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
