@@ -192,6 +192,7 @@ class _Generator:
             if graph.owner.get(view.name) in self.snapshots:
                 self.snapshots[view.name] = f"s.snapshot_{view.name}"
         self.split_aliases: list[str] = []  # aliases of the island being written
+        self.view_groups = self._view_groups(graph)
 
     # -- expressions ---------------------------------------------------------------------
     def bind(self, value: Any, hint: str) -> str:
@@ -257,6 +258,21 @@ class _Generator:
         args += [f"{k}={self.expr(v, ref)}" for k, v in fx_node.kwargs.items()]
         return f"{function}({', '.join(args)})"
 
+    def _view_groups(self, graph: SimplifiedGraph) -> dict[str, str]:
+        """The views of an input that requires grad made in the preludes of several nodes (each
+        island makes its own): view line -> the first of its readers, whose read closes the
+        view's group of gradient contributions (:meth:`rkgb.gradsink.GradientQueue.alias`)."""
+        readers: dict[str, list[str]] = {}
+        for node in graph.nodes:
+            for line in node.prelude:
+                if not isinstance(line.meta.get("val"), (torch.Tensor, list, tuple)):
+                    continue
+                if any(arg.name in self.sink_names and arg.name in self.input_names for arg in tensor_args(line)):
+                    names = readers.setdefault(line.name, [])
+                    if node.name not in names:
+                        names.append(node.name)
+        return {line: names[0] for line, names in readers.items() if len(names) > 1}
+
     def split_reads(self, w: _Writer, node: SimplifiedNode) -> dict[str, list[str]]:
         """Aliases for the leaves an island reads more than once (see
         :class:`rkgb.gradsink.GradientQueue`): writes one ``use(...)`` line per read and returns,
@@ -268,14 +284,22 @@ class _Generator:
         own = {line.name for line in node.lines}
         split = {name for name, count in counts.items()
                  if count > 1 and name in self.sink_names and name not in self.local_values and name not in own}
+        grouped = {line.name for line in node.prelude if line.name in self.view_groups}
         reads: dict[str, list[str]] = {}
         for line in node.lines:
             args = tensor_args(line)
-            if not any(arg.name in split for arg in args):
+            if not any(arg.name in split for arg in args) and line.name not in grouped:
                 continue
             sources = []
             for k, arg in enumerate(args):
-                if arg.name in split:
+                if line.name in grouped and arg.name in self.sink_names and arg.name in self.input_names:
+                    alias = f"{arg.name}_read{len(self.split_aliases)}"
+                    self.split_aliases.append(alias)
+                    closes = self.view_groups[line.name] == node.name
+                    w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), True, "
+                      f"{line.name!r}, {closes})")
+                    sources.append(alias)
+                elif arg.name in split:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
                     self.split_aliases.append(alias)
                     is_global = ", True" if arg.name in self.input_names else ""
@@ -537,6 +561,8 @@ class _Generator:
             self.operation(w, op, index, forward_phase=False)
         if self.contributions_waiting:
             w("flush_gradients()")
+        if self.view_groups:
+            w("s.queue.close_groups()")
         for name in shared:
             w(f"restore_grad({name}, s.stash_{name})")
         backward_source = ["def backward_phase(s):"] + w.lines

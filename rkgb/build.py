@@ -198,16 +198,37 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
             continue
-        grad = FirstRun(f"{name}.grad", value.numel() * value.element_size(), accumulates=True)
+        size = value.numel() * value.element_size()
+        grad = FirstRun(f"{name}.grad", size, accumulates=True)
         for reader in readers.get(name, ()):  # views of the input included (their owner is it)
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).extend(
                 [grad] * _contributions(graph.node(reader), name, graph))
+        # a view of the input that several nodes make: the executor sums its gradient apart
+        # before it joins the input's (exec.codegen, view groups), as eager's view buffer does
+        for view, view_readers in _view_groups(graph, name).items():
+            group = FirstRun(f"{name}.grad.{view}", size, accumulates=True)
+            for reader in view_readers:
+                result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(group)
         # an output that is the input (or a view of it): the loss gives the input a gradient
         outputs = sum(graph.owner.get(output) == name for output in graph.outputs)
         result.setdefault("loss", []).extend([grad] * outputs)
     result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
               for name, entries in result.items()}
     return {name: tuple(entries) for name, entries in result.items() if entries}
+
+
+def _view_groups(graph: SimplifiedGraph, name: str) -> dict[str, list[str]]:
+    """The views of input ``name`` made in the preludes of several nodes: view -> its readers
+    (the executor's view groups, ``exec.codegen.CodeGenerator._view_groups``)."""
+    readers: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for line in node.prelude:
+            if isinstance(line.meta.get("val"), (torch.Tensor, list, tuple)) and \
+                    any(arg.name == name for arg in tensor_args(line)):
+                names = readers.setdefault(line.name, [])
+                if node.name not in names:
+                    names.append(node.name)
+    return {view: names for view, names in readers.items() if len(names) > 1}
 
 
 def _contributions(node, name: str, graph: SimplifiedGraph) -> int:

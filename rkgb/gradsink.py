@@ -112,7 +112,7 @@ def _deliver(sink: "weakref.ref[GradSink]", queue: "GradientQueue | None", grad_
             return (None,)
         if target.leaf.grad is None and grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
             grad = grad.clone()  # a slice of a bigger gradient (cat's backward): copied as it comes
-        queue.pending.append((None, target, grad))
+        queue.pending.append((None, target, grad, None, False))
     return (None,)
 
 
@@ -139,25 +139,34 @@ class GradientQueue:
     through :class:`rkgb.saved.SavedTensors`, never through an alias.
     """
 
-    __slots__ = ("pending", "fresh", "kept")
+    __slots__ = ("pending", "fresh", "kept", "groups")
 
     def __init__(self) -> None:
-        # (rank or None, sink, contribution), in the order the engine made them
-        self.pending: list[tuple[tuple[int, int] | None, GradSink, torch.Tensor]] = []
+        # (rank or None, sink, contribution, group or None, closes the group), in the order the
+        # engine made them
+        self.pending: list[tuple] = []
         self.fresh: list[tuple[torch.Tensor, object]] = []  # aliases of the island being built
         self.kept: list[object] = []  # the AccumulateGrad nodes of aliases of globals, until then
+        # (sink, group) -> the sum so far of the group's contributions (see alias)
+        self.groups: dict[tuple[int, str], tuple[GradSink, torch.Tensor]] = {}
 
-    def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int], is_global: bool = False) -> torch.Tensor:
+    def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int], is_global: bool = False,
+              group: str | None = None, closes: bool = False) -> torch.Tensor:
         """A leaf sharing ``leaf``'s data whose gradient goes to ``sink`` at :meth:`flush`.
 
         ``is_global``: ``leaf`` is a model input, alive through the step: saved tensors keep the
-        alias itself, whose data :meth:`release` must leave alone."""
+        alias itself, whose data :meth:`release` must leave alone. ``group``: the read is a view
+        of a model input that several nodes read (each island makes its own view, where eager
+        makes one): eager sums the view's gradient first, in its own buffer, and passes the
+        sum on once every reader's backward has run, so the contributions of a group are summed
+        apart, in the engine's order, and join the sink as one when the contribution of the
+        read that ``closes`` the group (the first reader's: its backward runs last) arrives."""
         alias = leaf.detach().requires_grad_()
         pending = self.pending
 
         def keep(grad_outputs):
             if grad_outputs[0] is not None:
-                pending.append((rank, sink, grad_outputs[0]))
+                pending.append((rank, sink, grad_outputs[0], group, closes))
             return (None,)
 
         node = get_gradient_edge(alias).node
@@ -183,7 +192,28 @@ class GradientQueue:
         for entry in pending:
             by_sink.setdefault(id(entry[1]), []).append(entry)
         for entries in by_sink.values():
-            if entries[0][0] is not None:
+            if all(entry[0] is not None for entry in entries):
                 entries.sort(key=lambda entry: entry[0])
-            for _, sink, grad in entries:
-                sink((grad,))
+            for _, sink, grad, group, closes in entries:
+                if group is None:
+                    sink((grad,))
+                    continue
+                key = (id(sink), group)
+                held = self.groups.pop(key, None)
+                if held is None:
+                    total = grad
+                else:
+                    # in place into the sum so far when nothing else holds it, as eager's buffer
+                    total, held = held[1], None
+                    total = accumulate(total, grad, total._use_count() == 1)
+                if closes:
+                    sink((total,))
+                else:
+                    self.groups[key] = (sink, total)
+                del total
+
+    def close_groups(self) -> None:
+        """The backward ends: the groups whose closing read gave no gradient join their sinks."""
+        groups, self.groups = self.groups, {}
+        for sink, total in groups.values():
+            sink((total,))

@@ -179,7 +179,9 @@ class Rockmate(nn.Module):
         by default the sum of every output's elements) and return the memory of each
         operation of the schedule, predicted by the plan against measured by the allocator
         (CPU: the profiler's allocation events). The step's gradients accumulate into the
-        parameters as any step's do."""
+        parameters as any step's do; parameters whose ``.grad`` is None get theirs allocated
+        during the step, which the measure then counts (the budget does not: zero the
+        gradients, ``p.grad = torch.zeros_like(p)``, to measure a step after the first)."""
         loss_fn = loss_fn or _sum_of_outputs
         if isinstance(self.compiled.model, FlatModel):
             tensors = tuple(self.signature.tensors(args, kwargs))
