@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/plot_memory.py                 # bench GPT and U-Net at 50%
     .venv/bin/python benchmarks/plot_memory.py --fraction 0.3
 
-Writes ``benchmarks/results/memory_<model>.png`` and prints, per model, the budget, the
+Writes ``docs/figures/memory_<model>.png`` (shown in the README) and prints, per model, the budget, the
 predicted and measured peaks and the operation where the measured peak is (CPU: the profiler's
 allocation events, kernels' scratch included). Deterministic plans (``cost_model="flops"``).
 """
@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    results = ROOT / "benchmarks" / "results"
+    results = ROOT / "docs" / "figures"  # committed: the README shows them
     for name in args.models:
         entry, preset = MODELS[name]
         model, sample = ZOO[entry].build(preset)

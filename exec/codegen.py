@@ -193,6 +193,7 @@ class _Generator:
                 self.snapshots[view.name] = f"s.snapshot_{view.name}"
         self.split_aliases: list[str] = []  # aliases of the island being written
         self.view_groups = self._view_groups(graph)
+        self.delivered_groups: set[str] = set()
 
     # -- expressions ---------------------------------------------------------------------
     def bind(self, value: Any, hint: str) -> str:
@@ -259,9 +260,9 @@ class _Generator:
         return f"{function}({', '.join(args)})"
 
     def _view_groups(self, graph: SimplifiedGraph) -> dict[str, str]:
-        """The views of an input that requires grad made in the preludes of several nodes (each
-        island makes its own): view line -> the first of its readers, whose read closes the
-        view's group of gradient contributions (:meth:`rkgb.gradsink.GradientQueue.alias`)."""
+        """The views of an input that requires grad made in nodes' preludes (each island makes
+        its own): view line -> the first of its readers. Their contributions are summed apart,
+        one group per view (:meth:`rkgb.gradsink.GradientQueue.alias`)."""
         readers: dict[str, list[str]] = {}
         for node in graph.nodes:
             for line in node.prelude:
@@ -271,7 +272,19 @@ class _Generator:
                     names = readers.setdefault(line.name, [])
                     if node.name not in names:
                         names.append(node.name)
-        return {line: names[0] for line, names in readers.items() if len(names) > 1}
+        # every view of such an input is a group: eager's view node runs its backward after
+        # every node made after the view (the engine's order), so its readers' contributions
+        # wait for that place in the backward (see _deliver_view_groups)
+        return {line: names[0] for line, names in readers.items()}
+
+    def _deliver_view_groups(self, w: _Writer, position: int) -> None:
+        """Before the backward of a node made at ``position``: the view groups of views made
+        after it join their inputs' gradients (eager runs a view's backward once every node
+        made after the view has run its own)."""
+        for view in sorted(self.view_groups):
+            if view not in self.delivered_groups and self.position[view] > position:
+                self.delivered_groups.add(view)
+                w(f"s.queue.deliver({view!r})")
 
     def split_reads(self, w: _Writer, node: SimplifiedNode) -> dict[str, list[str]]:
         """Aliases for the leaves an island reads more than once (see
@@ -295,9 +308,8 @@ class _Generator:
                 if line.name in grouped and arg.name in self.sink_names and arg.name in self.input_names:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
                     self.split_aliases.append(alias)
-                    closes = self.view_groups[line.name] == node.name
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), True, "
-                      f"{line.name!r}, {closes})")
+                      f"{line.name!r})")
                     sources.append(alias)
                 elif arg.name in split:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
@@ -587,6 +599,8 @@ class _Generator:
             if op.node == "loss":
                 raise ScheduleError("the schedule has two loss operations; it must have exactly one")
             name = self.target(op.node)
+            if op.node.startswith("bwd_") and not forward_phase:
+                self._deliver_view_groups(w, self.position[self.infos[name].node.main.name])
             if op.node.startswith("fwd_"):
                 if not forward_phase and name not in self.computed:
                     raise ScheduleError(f"{op.node} is first computed after the loss; compute every node before")

@@ -203,7 +203,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
         for reader in readers.get(name, ()):  # views of the input included (their owner is it)
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).extend(
                 [grad] * _contributions(graph.node(reader), name, graph))
-        # a view of the input that several nodes make: the executor sums its gradient apart
+        # a view of the input made in nodes' preludes: the executor sums its gradient apart
         # before it joins the input's (exec.codegen, view groups), as eager's view buffer does
         for view, view_readers in _view_groups(graph, name).items():
             group = FirstRun(f"{name}.grad.{view}", size, accumulates=True)
@@ -218,8 +218,8 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
 
 
 def _view_groups(graph: SimplifiedGraph, name: str) -> dict[str, list[str]]:
-    """The views of input ``name`` made in the preludes of several nodes: view -> its readers
-    (the executor's view groups, ``exec.codegen.CodeGenerator._view_groups``)."""
+    """The views of input ``name`` made in nodes' preludes: view -> its readers (the executor's
+    view groups, ``exec.codegen.CodeGenerator._view_groups``)."""
     readers: dict[str, list[str]] = {}
     for node in graph.nodes:
         for line in node.prelude:
@@ -228,7 +228,7 @@ def _view_groups(graph: SimplifiedGraph, name: str) -> dict[str, list[str]]:
                 names = readers.setdefault(line.name, [])
                 if node.name not in names:
                     names.append(node.name)
-    return {view: names for view, names in readers.items() if len(names) > 1}
+    return readers
 
 
 def _contributions(node, name: str, graph: SimplifiedGraph) -> int:

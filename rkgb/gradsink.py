@@ -212,6 +212,13 @@ class GradientQueue:
                     self.groups[key] = (sink, total)
                 del total
 
+    def deliver(self, group: str) -> None:
+        """The backward reaches the place of eager's view ``group`` (every node made after the
+        view has run its backward): the group's sum joins its sink."""
+        for key in [key for key in self.groups if key[1] == group]:
+            sink, total = self.groups.pop(key)
+            sink((total,))
+
     def close_groups(self) -> None:
         """The backward ends: the groups whose closing read gave no gradient join their sinks."""
         groups, self.groups = self.groups, {}
