@@ -18,6 +18,7 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+import torch  # noqa: E402
 
 from random_models import check_program, programs  # noqa: E402
 from random_models import program as written  # noqa: E402
@@ -43,5 +44,17 @@ GRID = dict(peak_steps=3, save_steps=3)
 # a view of the input read twice by one op (attention's transposed key and its value)
 @example(written([("attention", [0, 0]), ("layer_norm_plain", [0]), ("silu", [2]), ("sub", [3, 3]), ("relu", [4])],
                  [1, 4, 5], batch=3, input_requires_grad=True), 0.3)
+# a gradient that is its own contribution again: an add's backward passes one tensor to both
+# inputs (x.grad was added into itself)
+@example(written([("add", [0, 0]), ("add", [1, 0]), ("add", [2, 2]), ("add", [3, 3])], [4],
+                 batch=2, seq=4, dim=8, input_requires_grad=True), 1.0)
+# a view of the input read by several nodes (chunk): its gradient summed apart, as eager's buffer
+@example(written([("chunk_mul", [0])], [0, 1], batch=2, seq=4, dim=16, input_requires_grad=True), 0.5)
+# a view of the input whose backward eager runs after the nodes made after it
+@example(written([("identity_view", [0]), ("sum_add", [0]), ("gelu", [1])], [2, 3], batch=2, seq=4,
+                 dim=16, dtype=torch.float64, input_requires_grad=True), 0.5)
+# the DP's peak above the simulator's: the plan is the simulator's, not an internal error
+@example(written([("linear_tied", [0]), ("cat_time", [0, 0]), ("batch_norm", [2]), ("batch_norm", [3]),
+                  ("attention", [4, 4])], [0, 5], batch=2, seq=4, dim=16), 0.0)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
