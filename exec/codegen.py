@@ -359,7 +359,20 @@ class _Generator:
         self.raw_outputs = {}
         self.split_aliases = []
         reads = self.split_reads(w, node) if with_grad else {}
+        outputs = {out.fx_name for out in node.outputs}
         for line in node.lines:
+            if line.name in info.updates and line.name in outputs:
+                # a buffer's new value that the forward reads again: computed at every run, the
+                # buffer written from the first run's value when the forward ends
+                w(f"{line.name} = {self.call(line, reads.get(line.name))}")
+                self.local_values[line.name] = line.name
+                local_names.append(line.name)
+                if first:
+                    buffer = self._buffer_global(info.updates[line.name])
+                    variable = f"new_{buffer}"
+                    self.buffer_updates.append((buffer, variable))
+                    w(f"{variable} = {line.name}")
+                continue
             if line.name in info.updates:
                 if not first:
                     continue

@@ -247,15 +247,16 @@ class SimplifiedGraph:
 
     def exported(self, node: SimplifiedNode) -> list[str]:
         """fx names of the tensors of ``node`` that other nodes or the user read: its result or
-        views of it (not the buffers' new values). The executor keeps these as the node's data
+        views of it (a buffer's new value only where the forward reads it again). The executor keeps these as the node's data
         (one leaf each) and backpropagates from them; the inspection does the same."""
         own = {line.name for line in node.lines}
         outputs = set(self.outputs)
         exported = []
         for line in [node.main] + node.body:
-            if line.name in node.buffer_updates:
-                continue
-            if line.name in outputs or any(user.name not in own for user in line.users):
+            users = [user for user in line.users if user.op != "output"]
+            if line.name in node.buffer_updates and not users:
+                continue  # a buffer's new value that nothing else reads
+            if line.name in outputs or any(user.name not in own for user in users):
                 if isinstance(line.meta.get("val"), torch.Tensor):
                     exported.append(line.name)
         return exported
@@ -502,7 +503,8 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         if isinstance(value, torch.Tensor):
             if fx_node.name in buffer_mutation_outputs:
                 node.buffer_updates[fx_node.name] = captured.buffer_mutations[fx_node.name]
-            else:
+            if fx_node.name not in buffer_mutation_outputs or any(user.op != "output" for user in fx_node.users):
+                # (a buffer's new value that the forward reads again is also the node's output)
                 node.outputs.append(_tensor_output(fx_node, value))
         nodes[node.name] = node
         order.append(node.name)

@@ -198,3 +198,27 @@ class _NumPy(nn.Module):
 def test_models_export_cannot_capture_are_capture_errors(model, what):
     with pytest.raises(CaptureError, match=f"could not capture {model.__name__}"):
         _compiled(model())
+
+
+class _MovingAverage(nn.Module):
+    """A buffer updated in place in the forward and read after the update (an EMA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        self.ema.mul_(0.9).add_(h.detach().mean(0) * 0.1)
+        return self.b(h * self.ema)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_a_buffer_read_after_its_update_in_the_forward(fraction):
+    """(Was ``KeyError: 'add'`` inside inspection.) Bitwise outputs, gradients and buffers over
+    three steps, at eager's peak and at the minimum (recomputation reads the buffer's copy)."""
+    from exactness import check_training
+
+    torch.manual_seed(0)
+    check_training(_MovingAverage(), (X,), fraction, steps=3, tolerance=0.1)
