@@ -411,11 +411,20 @@ class NoRecomputeSolver:
         return simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
 
 
+def _sqrt_solver(**options):
+    """``"sqrt"``: segment checkpointing (:mod:`solvers.sqrt_segments`, which builds on this
+    module's chain planner: imported when asked for)."""
+    from solvers.sqrt_segments import SqrtSolver
+
+    return SqrtSolver(**options)
+
+
 SOLVERS = {
     "rockmate": RockmateSolver,
     "rotor": RotorSolver,
     "checkmate": CheckmateSolver,
     "none": NoRecomputeSolver,
+    "sqrt": _sqrt_solver,
 }
 
 
