@@ -278,7 +278,7 @@ class RockmateSolver(ChainPlanner):
     # wall-clock cap on one class's grid: the pairs not started by then are left out (the
     # class keeps its lowest and fastest options, solved first); bounds planning time on
     # blocks of 60+ computes whose every ILP hits ``time_limit_s``. None: no cap
-    grid_time_limit_s: float | None = 30.0
+    grid_time_limit_s: float | None = 60.0
     reports: dict[int, GridReport] = field(default_factory=dict, repr=False)
     cache: OptionCache | None = field(default_factory=lambda: default_cache, repr=False)
 
