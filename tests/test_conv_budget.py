@@ -87,7 +87,7 @@ def test_plot_memory_draws_predicted_against_measured(tmp_path):
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         probe = model(*sample)
     loss = DotLoss(probe)
-    rk = Rockmate(model, sample, "10GB")
+    rk = Rockmate(model, sample, "10GB", solver="none")  # (the plan's kind does not matter here)
     timeline = rk.memory_timeline(*sample, loss_fn=loss)
     assert len(timeline.labels) == len(rk.plan.schedule.ops) == len(timeline.predicted)
     assert max(m for m in timeline.measured if m is not None) <= timeline.measured_peak
