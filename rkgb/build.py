@@ -205,8 +205,12 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
                 [grad] * _contributions(graph.node(reader), name, graph))
         # a view of the input made in nodes' preludes: the executor sums its gradient apart
         # before it joins the input's (exec.codegen, view groups), as eager's view buffer does
+        # (one buffer for the input's views: a group's sum joins the input's gradient before
+        # the next group's first contribution, in the usual order of a backward)
+        group = FirstRun(f"{name}.grad.views", size, accumulates=True)
         for view, view_readers in _view_groups(graph, name).items():
-            group = FirstRun(f"{name}.grad.{view}", size, accumulates=True)
+            if len(view_readers) < 2:
+                continue  # (one reader: its contribution waits alone; counted as the input's)
             for reader in view_readers:
                 result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(group)
         # an output that is the input (or a view of it): the loss gives the input a gradient
