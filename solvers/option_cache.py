@@ -11,8 +11,8 @@ The key is the CD-graph's content without the operations' measured times (timing
 one build to the next; memory, which the options' validity rests on, is keyed exactly), the
 grid settings and :data:`OPTIONS_FORMAT`, which changes whenever the options computed for a
 graph would. Each entry keeps the times it was solved with, and is used only where the new
-times are alike (:func:`similar_times`: the total within 2x, each operation above 5% of the
-block's time within 4x): options solved for a GPU's timings are not reused on a
+times are alike (:func:`similar_times`: each operation's share of the block's time within 4x,
+operations under 5% aside): options solved for a GPU's timings are not reused on a
 CPU, while a second build on the same machine re-solves nothing.
 """
 
@@ -35,21 +35,20 @@ OPTIONS_FORMAT = 3
 
 
 def similar_times(old: tuple[float, ...], new: tuple[float, ...], factor: float = 4.0) -> bool:
-    """Whether options solved with the times ``old`` serve a graph with the times ``new``: the
-    block's total within a factor of two, and each operation's time within ``factor`` of the
-    old one but those under 5% of the block's total both times. (Measured on this CPU: a
-    rebuild moves operations of tens of microseconds by up to 2.3x; another device's
-    relative costs move the heavy operations by far more.)"""
+    """Whether options solved with the times ``old`` serve a graph with the times ``new``: each
+    operation's share of the block's time within ``factor`` of its old share, but those under
+    5% of the block both times. Shares, not seconds: a machine that is busier during one build
+    scales every time alike, which changes no plan; another device's relative costs (a GPU's
+    matmuls against its elementwise ops) move the heavy operations' shares by far more.
+    (Measured on this CPU: a rebuild moves operations of tens of microseconds by up to 2.3x.)"""
     if len(old) != len(new):
         return False
     total_old, total_new = sum(old), sum(new)
     if not math.isfinite(total_old + total_new) or min(total_old, total_new) <= 0:
         return total_old == total_new
-    if max(total_old, total_new) / min(total_old, total_new) > 2.0:
-        return False
-    floor = 0.05 * max(total_old, total_new)
     for a, b in zip(old, new):
-        if max(a, b) <= floor:
+        a, b = a / total_old, b / total_new
+        if max(a, b) <= 0.05:
             continue
         if min(a, b) <= 0 or max(a, b) / min(a, b) > factor:
             return False

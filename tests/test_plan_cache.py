@@ -45,7 +45,8 @@ def test_timing_noise_reuses_options_and_other_timings_do_not(tmp_path):
     settings = (3, 3)
     noisy = with_times(lambda i: 1.3 if i % 2 else 0.8)  # a rebuild on the same machine
     largest = max(range(len(graph.compute_nodes)), key=lambda i: graph.compute_nodes[i].time_s)
-    slower = with_times(lambda i: 10.0 if i == largest else 1.0)  # another device's relative costs
+    slower = with_times(lambda i: 100.0 if i == largest else 1.0)  # another device's relative costs
+    busier = with_times(lambda i: 3.0)  # a build while the machine is busier: the same shares
     bigger = dataclasses.replace(graph, compute_nodes=[dataclasses.replace(c, overhead_bytes=c.overhead_bytes + 4)
                                                        for c in graph.compute_nodes])
     assert OptionCache.key(graph, settings) == OptionCache.key(noisy, settings) == OptionCache.key(slower, settings)
@@ -53,9 +54,9 @@ def test_timing_noise_reuses_options_and_other_timings_do_not(tmp_path):
     assert OptionCache.key(graph, settings) != OptionCache.key(graph, (3, 4))
     cache = OptionCache(directory=str(tmp_path))
     solved = []
-    for g in (graph, noisy, slower):
+    for g in (graph, noisy, busier, slower):
         cache.get_or_compute(g, settings, lambda: solved.append(1) or len(solved))
-    assert len(solved) == 2 and cache.hits == 1 and cache.misses == 2
+    assert len(solved) == 2 and cache.hits == 2 and cache.misses == 2
 
 
 def test_an_unreadable_entry_is_solved_again(tmp_path):
