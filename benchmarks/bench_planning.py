@@ -92,12 +92,14 @@ def main() -> None:
             timings = compiled.plan.timings
             options = {k: v for k, v in timings.items() if k.startswith("options of")}
             slowest = max(options.items(), key=lambda kv: kv[1], default=("-", 0.0))
-            again, total_again = _build(model, given, args.fraction, OptionCache(directory=directory))
+            second = OptionCache(directory=directory)
+            again, total_again = _build(model, given, args.fraction, second)
             options_again = sum(v for k, v in again.plan.timings.items() if k.startswith("options of"))
         print(f"{name:>6} {len(compiled.graphs.chain.blocks):>6} {len(compiled.graphs.chain.classes):>7} "
               f"{timings.get('capture', 0):>8.1f} {timings.get('inspect', 0):>8.1f} {sum(options.values()):>8.1f} "
               f"{timings.get('dp', 0):>6.2f} {total:>7.1f} {slowest[0][11:] + f' {slowest[1]:.1f} s':>36} "
-              f"{total_again:>9.1f} {options_again:>11.2f}", flush=True)
+              f"{total_again:>9.1f} {options_again:>11.2f} (cache: {second.hits} hits, {second.misses} misses)",
+              flush=True)
 
 
 if __name__ == "__main__":
