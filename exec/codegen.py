@@ -192,7 +192,11 @@ class _Generator:
             if graph.owner.get(view.name) in self.snapshots:
                 self.snapshots[view.name] = f"s.snapshot_{view.name}"
         self.split_aliases: list[str] = []  # aliases of the island being written
-        self.view_groups = self._view_groups(graph)
+        # views of inputs that require grad made in nodes' preludes: each a group of gradient
+        # contributions, joining the input's gradient where eager runs the view's backward
+        # (rkgb.gradsink.GradientQueue.alias, _deliver_view_groups)
+        self.view_groups = {view for name in self.input_names if name in self.sink_names
+                            for view in graph.input_view_readers(name)}
         self.delivered_groups: set[str] = set()
 
     # -- expressions ---------------------------------------------------------------------
@@ -259,23 +263,13 @@ class _Generator:
         args += [f"{k}={self.expr(v, ref)}" for k, v in fx_node.kwargs.items()]
         return f"{function}({', '.join(args)})"
 
-    def _view_groups(self, graph: SimplifiedGraph) -> dict[str, str]:
-        """The views of an input that requires grad made in nodes' preludes (each island makes
-        its own): view line -> the first of its readers. Their contributions are summed apart,
-        one group per view (:meth:`rkgb.gradsink.GradientQueue.alias`)."""
-        readers: dict[str, list[str]] = {}
-        for node in graph.nodes:
-            for line in node.prelude:
-                if not isinstance(line.meta.get("val"), (torch.Tensor, list, tuple)):
-                    continue
-                if any(arg.name in self.sink_names and arg.name in self.input_names for arg in tensor_args(line)):
-                    names = readers.setdefault(line.name, [])
-                    if node.name not in names:
-                        names.append(node.name)
-        # every view of such an input is a group: eager's view node runs its backward after
-        # every node made after the view (the engine's order), so its readers' contributions
-        # wait for that place in the backward (see _deliver_view_groups)
-        return {line: names[0] for line, names in readers.items()}
+    def _buffer_update(self, w: _Writer, path: str, value: str) -> None:
+        """Keep ``value`` as the new value of the buffer at ``path``, written when the forward
+        ends."""
+        buffer = self._buffer_global(path)
+        variable = f"new_{buffer}"
+        self.buffer_updates.append((buffer, variable))
+        w(f"{variable} = {value}")
 
     def _deliver_view_groups(self, w: _Writer, position: int) -> None:
         """Before the backward of a node made at ``position``: the view groups of views made
@@ -361,29 +355,18 @@ class _Generator:
         reads = self.split_reads(w, node) if with_grad else {}
         outputs = {out.fx_name for out in node.outputs}
         for line in node.lines:
-            if line.name in info.updates and line.name in outputs:
-                # a buffer's new value that the forward reads again: computed at every run, the
-                # buffer written from the first run's value when the forward ends
-                w(f"{line.name} = {self.call(line, reads.get(line.name))}")
-                self.local_values[line.name] = line.name
-                local_names.append(line.name)
-                if first:
-                    buffer = self._buffer_global(info.updates[line.name])
-                    variable = f"new_{buffer}"
-                    self.buffer_updates.append((buffer, variable))
-                    w(f"{variable} = {line.name}")
-                continue
-            if line.name in info.updates:
-                if not first:
-                    continue
-                buffer = self._buffer_global(info.updates[line.name])
-                variable = f"new_{buffer}"
-                self.buffer_updates.append((buffer, variable))
-                w(f"{variable} = {self.call(line, reads.get(line.name))}")
+            update = info.updates.get(line.name)  # the buffer this line's value is the new value of
+            if update is not None and line.name not in outputs:
+                if first:  # once per step, never on recomputation
+                    self._buffer_update(w, update, self.call(line, reads.get(line.name)))
                 continue
             w(f"{line.name} = {self.call(line, reads.get(line.name))}")
             self.local_values[line.name] = line.name
             local_names.append(line.name)
+            if update is not None and first:
+                # a new value that the forward reads again: computed at every run, the buffer
+                # written from the first run's value when the forward ends
+                self._buffer_update(w, update, line.name)
         w.indent -= 1
         if self.split_aliases:
             w("release_uses()")

@@ -208,7 +208,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
         # (one buffer for the input's views: a group's sum joins the input's gradient before
         # the next group's first contribution, in the usual order of a backward)
         group = FirstRun(f"{name}.grad.views", size, accumulates=True)
-        for view, view_readers in _view_groups(graph, name).items():
+        for view_readers in graph.input_view_readers(name).values():
             if len(view_readers) < 2:
                 continue  # (one reader: its contribution waits alone; counted as the input's)
             for reader in view_readers:
@@ -219,20 +219,6 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
     result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
               for name, entries in result.items()}
     return {name: tuple(entries) for name, entries in result.items() if entries}
-
-
-def _view_groups(graph: SimplifiedGraph, name: str) -> dict[str, list[str]]:
-    """The views of input ``name`` made in nodes' preludes: view -> its readers (the executor's
-    view groups, ``exec.codegen.CodeGenerator._view_groups``)."""
-    readers: dict[str, list[str]] = {}
-    for node in graph.nodes:
-        for line in node.prelude:
-            if isinstance(line.meta.get("val"), (torch.Tensor, list, tuple)) and \
-                    any(arg.name == name for arg in tensor_args(line)):
-                names = readers.setdefault(line.name, [])
-                if node.name not in names:
-                    names.append(node.name)
-    return readers
 
 
 def _contributions(node, name: str, graph: SimplifiedGraph) -> int:

@@ -112,7 +112,7 @@ def _deliver(sink: "weakref.ref[GradSink]", queue: "GradientQueue | None", grad_
             return (None,)
         if target.leaf.grad is None and grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
             grad = grad.clone()  # a slice of a bigger gradient (cat's backward): copied as it comes
-        queue.pending.append((None, target, grad, None, False))
+        queue.pending.append((None, target, grad, None))
     return (None,)
 
 
@@ -142,8 +142,7 @@ class GradientQueue:
     __slots__ = ("pending", "fresh", "kept", "groups")
 
     def __init__(self) -> None:
-        # (rank or None, sink, contribution, group or None, closes the group), in the order the
-        # engine made them
+        # (rank or None, sink, contribution, group or None), in the order the engine made them
         self.pending: list[tuple] = []
         self.fresh: list[tuple[torch.Tensor, object]] = []  # aliases of the island being built
         self.kept: list[object] = []  # the AccumulateGrad nodes of aliases of globals, until then
@@ -151,22 +150,21 @@ class GradientQueue:
         self.groups: dict[tuple[int, str], tuple[GradSink, torch.Tensor]] = {}
 
     def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int], is_global: bool = False,
-              group: str | None = None, closes: bool = False) -> torch.Tensor:
+              group: str | None = None) -> torch.Tensor:
         """A leaf sharing ``leaf``'s data whose gradient goes to ``sink`` at :meth:`flush`.
 
         ``is_global``: ``leaf`` is a model input, alive through the step: saved tensors keep the
         alias itself, whose data :meth:`release` must leave alone. ``group``: the read is a view
-        of a model input that several nodes read (each island makes its own view, where eager
-        makes one): eager sums the view's gradient first, in its own buffer, and passes the
-        sum on once every reader's backward has run, so the contributions of a group are summed
-        apart, in the engine's order, and join the sink as one when the contribution of the
-        read that ``closes`` the group (the first reader's: its backward runs last) arrives."""
+        of a model input made in the reading island (where eager makes one view for all its
+        readers): eager sums the view's gradient in its own buffer and passes the sum on when
+        the view's backward runs, so the contributions of a group are summed apart, in the
+        engine's order, and join the sink as one at :meth:`deliver` (or :meth:`close_groups`)."""
         alias = leaf.detach().requires_grad_()
         pending = self.pending
 
         def keep(grad_outputs):
             if grad_outputs[0] is not None:
-                pending.append((rank, sink, grad_outputs[0], group, closes))
+                pending.append((rank, sink, grad_outputs[0], group))
             return (None,)
 
         node = get_gradient_edge(alias).node
@@ -194,7 +192,7 @@ class GradientQueue:
         for entries in by_sink.values():
             if all(entry[0] is not None for entry in entries):
                 entries.sort(key=lambda entry: entry[0])
-            for _, sink, grad, group, closes in entries:
+            for _, sink, grad, group in entries:
                 if group is None:
                     sink((grad,))
                     continue
@@ -206,10 +204,7 @@ class GradientQueue:
                     # in place into the sum so far when nothing else holds it, as eager's buffer
                     total, held = held[1], None
                     total = accumulate(total, grad, total._use_count() == 1)
-                if closes:
-                    sink((total,))
-                else:
-                    self.groups[key] = (sink, total)
+                self.groups[key] = (sink, total)
                 del total
 
     def deliver(self, group: str) -> None:
@@ -220,7 +215,8 @@ class GradientQueue:
             sink((total,))
 
     def close_groups(self) -> None:
-        """The backward ends: the groups whose closing read gave no gradient join their sinks."""
+        """The backward ends: the groups not delivered yet (views made before every node that
+        has a backward) join their sinks."""
         groups, self.groups = self.groups, {}
         for sink, total in groups.values():
             sink((total,))

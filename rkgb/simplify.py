@@ -261,6 +261,21 @@ class SimplifiedGraph:
                     exported.append(line.name)
         return exported
 
+    def input_view_readers(self, name: str) -> dict[str, list[str]]:
+        """The views of model input ``name`` made in nodes' preludes (each reading island makes
+        its own, where eager makes one): view fx name -> its reading nodes, in order. The
+        executor sums each view's gradient apart (``exec.codegen``, view groups) and the plan
+        counts that sum (``rkgb.build.first_run_bytes``)."""
+        readers: dict[str, list[str]] = {}
+        for node in self.nodes:
+            for line in node.prelude:
+                if isinstance(line.meta.get("val"), (torch.Tensor, list, tuple)) and \
+                        any(arg.name == name for arg in _input_nodes(line)):
+                    names = readers.setdefault(line.name, [])
+                    if node.name not in names:
+                        names.append(node.name)
+        return readers
+
     def reads(self, node: SimplifiedNode) -> set[str]:
         """Owners (nodes, or globals: parameters, buffers, inputs) of the tensors ``node``'s
         lines read, ``node`` itself excluded."""

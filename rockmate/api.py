@@ -117,9 +117,8 @@ class Rockmate(nn.Module):
         budget_bytes = parse_budget(budget)
         build_options, solver_options = _split_options(options)
         self.signature, module, flat_sample = _flat_call(model, sample, args, kwargs)
-        # what a copy re-plans from (copy.deepcopy, pickle, torch.save: see __reduce__)
-        self._recipe = dict(call=self.signature.call_with(flat_sample) if isinstance(module, FlatModel)
-                            else (tuple(flat_sample), {}), budget=budget, solver=solver, options=options)
+        # what a copy re-plans from, with the sample's call (copy.deepcopy, pickle, torch.save)
+        self._recipe = dict(budget=budget, solver=solver, options=options)
         self.graphs = _build_graphs(module, flat_sample, build_options)
         plan: Plan = registry.solve(self.graphs.model_chain, budget_bytes, solver, **solver_options)
         if not plan.feasible:
@@ -144,8 +143,8 @@ class Rockmate(nn.Module):
         if not isinstance(recipe["solver"], str):
             raise TypeError("a Rockmate built with a solver object cannot be copied or pickled: "
                             "pass the solver by name, or build a new Rockmate on a copy of the model")
-        return _rebuilt, (self.model, recipe["call"], recipe["budget"], recipe["solver"], recipe["options"],
-                          self.training)
+        return _rebuilt, (self.model, self.signature.sample_call(), recipe["budget"], recipe["solver"],
+                          recipe["options"], self.training)
 
     @property
     def model(self) -> nn.Module:
@@ -162,13 +161,21 @@ class Rockmate(nn.Module):
         """Call as the model is called: the same positional and keyword arguments as the
         sample (tensors of the sample's shapes, dtypes and devices; the sample's non-tensor
         values); returns the model's output structure (a tensor, tuple, dict, ``ModelOutput``)."""
+        return self._structured(self.compiled(*self._flat_inputs(args, kwargs)))
+
+    def _flat_inputs(self, args: tuple, kwargs: dict) -> tuple:
+        """The compiled module's positional inputs for a call of the model."""
         if isinstance(self.compiled.model, FlatModel):
-            outputs = self.compiled(*self.signature.tensors(args, kwargs))
-            return self.signature.unflatten_output(outputs)
+            return tuple(self.signature.tensors(args, kwargs))
         if kwargs:
             raise TypeError(f"Rockmate was built with positional inputs only and received the keyword "
                             f"arguments {sorted(kwargs)}; build it with them in the sample (a dict, or kwargs=)")
-        outputs = self.compiled(*args)
+        return args
+
+    def _structured(self, outputs):
+        """The compiled module's outputs in the structure the model returns."""
+        if isinstance(self.compiled.model, FlatModel):
+            return self.signature.unflatten_output(outputs)
         spec = self.graphs.captured.out_spec
         if isinstance(outputs, tuple) and spec is not None and spec.type is not tuple:
             return pytree.tree_unflatten(list(outputs), spec)  # a dict or a list, as the model returns
@@ -183,11 +190,8 @@ class Rockmate(nn.Module):
         during the step, which the measure then counts (the budget does not: zero the
         gradients, ``p.grad = torch.zeros_like(p)``, to measure a step after the first)."""
         loss_fn = loss_fn or _sum_of_outputs
-        if isinstance(self.compiled.model, FlatModel):
-            tensors = tuple(self.signature.tensors(args, kwargs))
-            return measure_timeline(self.compiled, tensors,
-                                    lambda outputs: loss_fn(self.signature.unflatten_output(outputs)), self.plan)
-        return measure_timeline(self.compiled, args, loss_fn, self.plan)
+        return measure_timeline(self.compiled, self._flat_inputs(args, kwargs),
+                                lambda outputs: loss_fn(self._structured(outputs)), self.plan)
 
     def plot_memory(self, path, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> Path:
         """Draw :meth:`memory_timeline` of one step on the call ``(*args, **kwargs)`` to ``path``

@@ -14,7 +14,7 @@ model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,7 +72,6 @@ class CallSignature:
     paths: list[str]
     tensor_positions: list[int]
     out_spec: pytree.TreeSpec | None = None
-    kwarg_names: list[str] = field(default_factory=list)
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> "CallSignature":
@@ -80,12 +79,12 @@ class CallSignature:
         leaves = [leaf for _, leaf in flat]
         paths = [_describe(path) for path, _ in flat]
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        return cls(spec, leaves, paths, positions, kwarg_names=sorted(kwargs))
+        return cls(spec, leaves, paths, positions)
 
     @property
     def is_plain(self) -> bool:
         """True when the model is already called with positional tensors only."""
-        return not self.kwarg_names and len(self.tensor_positions) == len(self.leaves) and \
+        return len(self.tensor_positions) == len(self.leaves) and \
             self.in_spec == pytree.tree_flatten((tuple(self.leaves), {}))[1]
 
     def tensors(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -93,7 +92,7 @@ class CallSignature:
         structure or a non-tensor argument differs from the sample's."""
         flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if spec != self.in_spec:
-            sample_args, sample_kwargs = pytree.tree_unflatten(self.leaves, self.in_spec)
+            sample_args, sample_kwargs = self.sample_call()
             raise TypeError(
                 f"Rockmate was built for calls with {_shape_of_call(sample_args, sample_kwargs)} "
                 f"(as the sample) and received {_shape_of_call(args, kwargs)}, or a different nesting; "
@@ -109,6 +108,10 @@ class CallSignature:
                     f"{self.paths[index]} is {leaf!r} here and was {expected!r} in the sample: the plan "
                     f"is specific to the sample's non-tensor arguments; build Rockmate again with this value")
         return tensors
+
+    def sample_call(self) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of the sample."""
+        return pytree.tree_unflatten(list(self.leaves), self.in_spec)
 
     def call_with(self, tensors) -> tuple[tuple, dict]:
         """``(args, kwargs)`` of the model from the flat tensors (constants at sample values)."""

@@ -207,10 +207,10 @@ class ChainPlanner:
         clock = time.perf_counter()
         strategy = solve_chain(costs, int(budget), self.slots)
         self.dp_seconds = time.perf_counter() - clock
-        # the simulator is the judge of a strategy's peak; where the DP's own figure differs
-        # (a case its memory model misses), a plan above the budget is planned again for a
-        # budget lowered by the excess, a few times, and never returned over the budget
-        mismatch = None
+        # the simulator is the judge of a strategy's peak; where the DP's own figure is lower
+        # (a case its memory model misses), the plan is made again for a budget lowered by
+        # that difference, a few times, and never returned over the budget
+        mismatch, target = None, int(budget)
         for _ in range(4):
             if strategy is None:
                 break
@@ -225,8 +225,8 @@ class ChainPlanner:
                 if mismatch:
                     plan.notes.append(mismatch)
                 return plan
-            strategy = solve_chain(costs, int(budget) - (plan.predicted_peak - strategy.peak_bytes)
-                                   - (plan.predicted_peak - budget), self.slots)
+            target -= plan.predicted_peak - strategy.peak_bytes
+            strategy = solve_chain(costs, target, self.slots) if target > 0 else None
         top = _no_recompute_plan(chain, budget, self.name)
         if top.predicted_peak <= budget:
             # the DP rounds memory up to its slots, block by block: at budgets within a few
