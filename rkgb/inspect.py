@@ -198,6 +198,60 @@ def inspect_chain(
             last_use[block.input_node] = max(last_use.get(block.input_node, 0), position[block.nodes[-1]])
 
     saved_grads = {p: p.grad for p in model.parameters()}
+    if layouts is None:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            detached = tuple(
+                value.detach().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
+                for value in as_input_tuple(sample)
+            )
+            layouts = gradient_layouts(graph, model, detached) or {}
+    # the traced layouts come from the ops' meta functions, which can differ from the kernels'
+    # (a CPU batch norm's backward of a transposed input gives a contiguous gradient): a
+    # block's output gradient is really what the next block's backward gives its input. A
+    # block whose output layout was wrong is measured again, which can change the layout it
+    # gives its own input: passes until none changes (one where the traced ones were right)
+    measures: dict[int, BlockMeasure] = {}
+    again = representatives
+    for _ in range(len(chain.classes) + 1):
+        received: dict[str, tuple[int, ...]] = {}
+        measures.update(_inspect_blocks(graph, chain, model, sample, device, needs, clock, again,
+                                        last_use, saved_grads, layouts, received))
+        corrected = {name: stride for name, stride in _received_layouts(graph, chain, received).items()
+                     if layouts.get(name) != stride}
+        if not corrected:
+            break
+        layouts = {**layouts, **corrected}
+        stale = {chain.blocks[b.index - 1].class_index for b in chain.blocks
+                 if b.index > 0 and b.input_node is not None
+                 and any(n in corrected for n in graph.exported(graph.node(b.input_node)))}
+        again = {r: c for r, c in representatives.items() if c in stale}
+    return [measures[i] for i in range(len(chain.classes))]
+
+
+def _received_layouts(graph: SimplifiedGraph, chain: Chain,
+                      received: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The real layout of the gradient of every block's input, from what the backward of its
+    class's representative gave (``received``, by the representative's tensor names)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for block in chain.blocks:
+        if block.input_node is None:
+            continue
+        twin = chain.blocks[chain.classes[block.class_index].representative]
+        if twin.input_node is None:
+            continue
+        names = graph.exported(graph.node(block.input_node))
+        twin_names = graph.exported(graph.node(twin.input_node))
+        for name, twin_name in zip(names, twin_names):
+            if twin_name in received:
+                out[name] = received[twin_name]
+    return out
+
+
+def _inspect_blocks(graph, chain, model, sample, device, needs, clock, representatives, last_use,
+                    saved_grads, layouts, received) -> dict[int, BlockMeasure]:
+    """One pass of :func:`inspect_chain` over the blocks with the given output ``layouts``;
+    ``received`` gets the layouts of the gradients that each inspected block's backward gives
+    its input."""
     measures: dict[int, BlockMeasure] = {}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -206,8 +260,6 @@ def inspect_chain(
                 value.detach().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
                 for value in as_input_tuple(sample)
             )
-            if layouts is None:
-                layouts = gradient_layouts(graph, model, sample) or {}
             env = initial_environment(graph, model, sample)
             strides: dict[str, tuple[int, ...]] = {}  # real layouts of the results computed
             # the inputs' gradients are collected as the executor collects them
@@ -223,7 +275,7 @@ def inspect_chain(
                     if block.index in representatives:
                         measures[representatives[block.index]] = _inspect_block(
                             graph, block, env, model, clock, device, representatives[block.index], layouts, needs, input_sinks, queue,
-                            strides)
+                            strides, received)
                     remaining = [b for b in chain.blocks[block.index + 1 :] if b.index in representatives]
                     if all(_floating_input(graph, b) for b in remaining):
                         # the rest only needs inputs of the right shape: skip the forward of
@@ -232,7 +284,7 @@ def inspect_chain(
                             _synthesize_input(graph, chain, later, env, device, strides)
                             measures[representatives[later.index]] = _inspect_block(
                                 graph, later, env, model, clock, device, representatives[later.index], layouts, needs, input_sinks, queue,
-                                strides)
+                                strides, received)
                         break
                     for name in block.nodes:
                         run_lines(graph.node(name).lines, env)
@@ -244,7 +296,7 @@ def inspect_chain(
     finally:
         for p, grad in saved_grads.items():
             p.grad = grad
-    return [measures[i] for i in range(len(chain.classes))]
+    return measures
 
 
 def _floating_input(graph: SimplifiedGraph, block: Block) -> bool:
@@ -394,7 +446,8 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
 
 def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts, needs,
                    input_sinks: dict[str, GradSink], queue: GradientQueue,
-                   strides: dict[str, tuple[int, ...]]) -> BlockMeasure:
+                   strides: dict[str, tuple[int, ...]],
+                   received: dict[str, tuple[int, ...]] | None = None) -> BlockMeasure:
     """Run one block node by node exactly as the executor runs it, and measure each node.
 
     Each node is an autograd island over all its lines; the tensors other nodes read (its
@@ -581,6 +634,10 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             state.forget(name)
             islands[name] = []
             saved.free_phantoms(name)
+    if received is not None and block.input_node is not None:
+        for (leaf, _), fx_name in zip(grad_leaves.get(block.input_node, []), grad_names.get(block.input_node, [])):
+            if leaf.grad is not None:
+                received[fx_name] = tuple(leaf.grad.stride())
     return BlockMeasure(
         class_index=class_index,
         nodes=results,

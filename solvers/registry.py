@@ -203,6 +203,19 @@ class ChainPlanner:
 
     def _solve(self, chain: ModelChain, budget: int) -> Plan:
         start = time.perf_counter()
+        plan, mismatch = self._attempt(chain, budget)
+        if plan is not None:
+            return plan
+        infeasible = _infeasible(chain, budget, self.name, self.min_budget(chain),
+                                 solve_time_s=time.perf_counter() - start)
+        if mismatch:
+            infeasible.notes.append(mismatch)
+        return infeasible
+
+    def _attempt(self, chain: ModelChain, budget: int) -> tuple[Plan | None, str | None]:
+        """The plan of the DP within ``budget`` as the simulator judges it (None where there is
+        none), and the note of a DP/simulator mismatch met on the way."""
+        start = time.perf_counter()
         costs, per_block = self.chain_costs(chain)
         clock = time.perf_counter()
         strategy = solve_chain(costs, int(budget), self.slots)
@@ -224,7 +237,7 @@ class ChainPlanner:
                 plan.notes.append(f"DP slot: {strategy.slot_bytes} B")
                 if mismatch:
                     plan.notes.append(mismatch)
-                return plan
+                return plan, mismatch
             target -= plan.predicted_peak - strategy.peak_bytes
             strategy = solve_chain(costs, target, self.slots) if target > 0 else None
         top = _no_recompute_plan(chain, budget, self.name)
@@ -233,14 +246,28 @@ class ChainPlanner:
             # slots of the no-recomputation peak it can miss the schedule that fits exactly
             top.solve_time_s = time.perf_counter() - start
             top.notes.append("the DP found no strategy; the no-recomputation schedule fits the budget")
-            return top
-        infeasible = _infeasible(chain, budget, self.name, self.min_budget(chain),
-                                 solve_time_s=time.perf_counter() - start)
-        if mismatch:
-            infeasible.notes.append(mismatch)
-        return infeasible
+            return top, mismatch
+        return None, mismatch
 
     def min_budget(self, chain: ModelChain) -> int:
+        """The smallest budget that :meth:`solve` meets: the DP's own minimum where the
+        simulator agrees with it, else searched above it with the whole solve (DP and
+        simulator) up to the no-recomputation peak, which always fits."""
+        low = self._dp_min_budget(chain)
+        if self._attempt(chain, low)[0] is not None:
+            return low
+        high = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
+        if high <= low:
+            return high
+        while high - low > max(1, high // 2000):
+            middle = (low + high) // 2
+            if self._attempt(chain, middle)[0] is None:
+                low = middle
+            else:
+                high = middle
+        return high
+
+    def _dp_min_budget(self, chain: ModelChain) -> int:
         """The smallest budget the DP meets (binary search, to 0.05% or 1 byte), or the
         no-recomputation peak if that is lower (see :meth:`solve`)."""
         costs, _ = self.chain_costs(chain)

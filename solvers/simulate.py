@@ -131,6 +131,12 @@ class _Storages:
         """``d`` becomes alive with new storages (replacing its old ones); return their bytes."""
         return sum(self._hold_new(d, i) for i in range(len(self.graph.data(d).part_sizes)))
 
+    def hold_for_user(self, d: str) -> None:
+        """``d``'s storages get one more holder that never lets go (the user's output)."""
+        for storage in self.storage.get(d, ()):
+            if storage is not None:
+                self.holders[storage] += 1
+
     def forget(self, d: str) -> None:
         for i, storage in enumerate(self.storage.pop(d)):
             if storage is not None:
@@ -383,6 +389,12 @@ def simulate(
                     f"{where(i, op)}: accumulates into gradient {d!r}, which was forgotten "
                     "after an earlier contribution (that contribution would be lost)"
                 )
+        if keep_outputs and node.kind is ComputeKind.FORWARD:
+            for d in outputs:
+                if d in alive and d in protected:
+                    # a model output computed again: the user's tensor keeps the storage of
+                    # the first run to the end of the step, beside the new one
+                    storages.hold_for_user(d)
         added = storages.compute(node, outputs)
         again = 0
         for entry in (first_run_bytes or {}).get(node.name, ()):

@@ -60,5 +60,21 @@ GRID = dict(peak_steps=3, save_steps=3)
 # the DP's peak above the simulator's: the plan is the simulator's, not an internal error
 @example(written([("linear_tied", [0]), ("cat_time", [0, 0]), ("batch_norm", [2]), ("batch_norm", [3]),
                   ("attention", [4, 4])], [0, 5], batch=2, seq=4, dim=16), 0.0)
+# a model output computed again in the backward: the user's tensor keeps the first storage
+@example(written([("attention", [0, 0]), ("reshape_softmax", [0]), ("copy_into", [2]), ("conv1d", [3]),
+                  ("conv1d", [4]), ("mean_scale", [5]), ("conv1d", [6])], [3, 7], dim=16, dtype=torch.float64), 0.0)
+# a CPU batch norm's backward of a transposed input gives a contiguous gradient (its meta
+# function says transposed): the convolution before it measured with the real layout
+@example(written([("transpose_tanh", [0]), ("gelu", [1]), ("sum_add", [0]), ("chunk_mul", [3]), ("conv2d", [4]),
+                  ("batch_norm", [5]), ("sigmoid", [6])], [6, 7], dim=16, dtype=torch.float64,
+                 input_requires_grad=True, seed=65536), 0.8)
+# the real layout corrected block after block, backward (three passes of inspection)
+@example(written([("cat_linear", [0, 0]), ("batch_norm_unused", [1]), ("copy_into", [2]), ("batch_norm", [3]),
+                  ("add", [4, 4]), ("add", [5, 2]), ("linear_relu_inplace", [6])], [4], batch=3, seq=6, dim=16,
+                 seed=65535), 0.3)
+# the minimum where the DP's figure and the simulator's differ: the budget the whole solve meets
+@example(written([("cat_linear", [0, 0]), ("layer_norm", [1]), ("split_swap", [2]), ("index_assign", [1, 1]),
+                  ("index_assign", [4, 4]), ("layer_norm", [5]), ("add", [6, 6]), ("add", [7, 7])], [2, 5, 7],
+                 dtype=torch.float64), 0.0)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
