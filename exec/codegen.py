@@ -292,14 +292,29 @@ class _Generator:
         split = {name for name, count in counts.items()
                  if count > 1 and name in self.sink_names and name not in self.local_values and name not in own}
         grouped = {line.name for line in node.prelude if line.name in self.view_groups}
+        # a grouped view that the island reads more than once: each read makes its own view of
+        # its own alias, so that the group sums each contribution in turn, as eager's view
+        # buffer does (where the engine would sum the island's reads first)
+        lines_by_name = {line.name: line for line in node.prelude}
+        remade = {name for name in grouped if counts.get(name, 0) > 1 and self._input_of_view(lines_by_name[name])}
         reads: dict[str, list[str]] = {}
         for line in node.lines:
             args = tensor_args(line)
-            if not any(arg.name in split for arg in args) and line.name not in grouped:
+            if not any(arg.name in split or arg.name in remade for arg in args) and line.name not in grouped:
                 continue
             sources = []
             for k, arg in enumerate(args):
-                if line.name in grouped and arg.name in self.sink_names and arg.name in self.input_names:
+                if arg.name in remade:
+                    view = lines_by_name[arg.name]
+                    base = self._input_of_view(view)
+                    alias = f"{base}_read{len(self.split_aliases)}"
+                    self.split_aliases.append(alias)
+                    w(f"{alias} = use(s.{base}, s.sink_{base}, ({-self.position[line.name]}, {k}), True, {view.name!r})")
+                    copy = f"{view.name}_read{len(self.split_aliases)}"
+                    self.split_aliases.append(copy)
+                    w(f"{copy} = {self.call(view, [alias])}")
+                    sources.append(copy)
+                elif line.name in grouped and arg.name in self.sink_names and arg.name in self.input_names:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
                     self.split_aliases.append(alias)
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), True, "
@@ -315,6 +330,15 @@ class _Generator:
                     sources.append(arg.name if arg.name in own else self.ref(arg.name))
             reads[line.name] = sources
         return reads
+
+    def _input_of_view(self, line: torch.fx.Node) -> str | None:
+        """The model input (with a gradient sink) that ``line``, a view, reads as its one fx
+        argument, else None."""
+        args = line.all_input_nodes
+        if len(args) == 1 and len(tensor_args(line)) == 1 and args[0].name in self.sink_names \
+                and args[0].name in self.input_names:
+            return args[0].name
+        return None
 
     # -- operations ------------------------------------------------------------------------
     def target(self, compute_name: str) -> str:
@@ -507,8 +531,14 @@ class _Generator:
             w(f"s.param_{name} = {name}.detach().requires_grad_(); s.sink_param_{name} = grad_sink(s.param_{name}, s.queue)")
         if self.graph.global_views:
             w.comment("views of parameters, buffers and inputs")
+            outputs = set(self.graph.outputs)
             for line in self.graph.global_views:
-                w(f"s.{line.name} = {self.call(line)}")
+                base = self._input_of_view(line)
+                if line.name in self.view_groups and line.name in outputs and base is not None:
+                    # a grouped view that the user gets: the loss's contribution opens its group
+                    w(f"s.{line.name} = {self.call(line, [f'use(s.{base}, s.sink_{base}, (1, 0), True, {line.name!r})'])}")
+                else:
+                    w(f"s.{line.name} = {self.call(line)}")
         for index, op in enumerate(ops[:loss]):
             self.operation(w, op, index, forward_phase=True)
         buffers = {name for name in self.snapshots if name in self.graph.captured.buffers}

@@ -208,13 +208,19 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
         # (one buffer for the input's views: a group's sum joins the input's gradient before
         # the next group's first contribution, in the usual order of a backward)
         group = FirstRun(f"{name}.grad.views", size, accumulates=True)
-        for view_readers in graph.input_view_readers(name).values():
-            if len(view_readers) < 2:
+        grouped_outputs = 0
+        for view, view_readers in graph.input_view_readers(name).items():
+            # a grouped view that the user gets: the loss's contribution opens its group
+            returned = graph.outputs.count(view)
+            grouped_outputs += returned
+            if returned:
+                result.setdefault("loss", []).extend([group] * returned)
+            if len(view_readers) + returned < 2:
                 continue  # (one reader: its contribution waits alone; counted as the input's)
             for reader in view_readers:
                 result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(group)
         # an output that is the input (or a view of it): the loss gives the input a gradient
-        outputs = sum(graph.owner.get(output) == name for output in graph.outputs)
+        outputs = sum(graph.owner.get(output) == name for output in graph.outputs) - grouped_outputs
         result.setdefault("loss", []).extend([grad] * outputs)
     result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
               for name, entries in result.items()}

@@ -198,8 +198,8 @@ class GradientQueue:
                     continue
                 key = (id(sink), group)
                 held = self.groups.pop(key, None)
-                if held is None:
-                    total = grad
+                if held is None:  # (a slice of a bigger gradient is copied, as a sink's first)
+                    total = accumulate(None, grad, False)
                 else:
                     # in place into the sum so far when nothing else holds it, as eager's buffer
                     total, held = held[1], None

@@ -76,5 +76,9 @@ GRID = dict(peak_steps=3, save_steps=3)
 @example(written([("cat_linear", [0, 0]), ("layer_norm", [1]), ("split_swap", [2]), ("index_assign", [1, 1]),
                   ("index_assign", [4, 4]), ("layer_norm", [5]), ("add", [6, 6]), ("add", [7, 7])], [2, 5, 7],
                  dtype=torch.float64), 0.0)
+# a view of the input that the user gets and one op reads twice (cat): the loss's gradient
+# opens the view's sum, then each read's in turn, as eager's view buffer adds them
+@example(written([("identity_view", [0]), ("identity_view", [0]), ("cat_linear", [2, 2])], [2, 3], batch=3,
+                 seq=6, input_requires_grad=True, seed=73), 0.3)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
