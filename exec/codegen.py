@@ -197,6 +197,8 @@ class _Generator:
         # (rkgb.gradsink.GradientQueue.alias, _deliver_view_groups)
         self.view_groups = {view for name in self.input_names if name in self.sink_names
                             for view in graph.input_view_readers(name)}
+        # and views of nodes' results made in each of their readers (rkgb.simplify)
+        self.view_groups |= set(graph.grouped_views)
         self.delivered_groups: set[str] = set()
 
     # -- expressions ---------------------------------------------------------------------
@@ -318,6 +320,13 @@ class _Generator:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
                     self.split_aliases.append(alias)
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), True, "
+                      f"{line.name!r})")
+                    sources.append(alias)
+                elif line.name in grouped and self.graph.grouped_views.get(line.name) == arg.name \
+                        and arg.name in self.sink_names:
+                    alias = f"{arg.name}_read{len(self.split_aliases)}"
+                    self.split_aliases.append(alias)
+                    w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), False, "
                       f"{line.name!r})")
                     sources.append(alias)
                 elif arg.name in split:

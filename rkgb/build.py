@@ -194,6 +194,26 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
             size = sum(_nbytes(lines[name].meta["val"]) for name in node.buffer_updates)
             result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
                 FirstRun(f"{node.name}.buffer_update", size, until_loss=True, in_overhead=True))
+    # a view of a node's result made in each of its readers (rkgb.simplify, view groups): the
+    # executor sums the view's gradient apart until the view's place in the backward. The
+    # CD-graph counts that sum as the base's gradient, made by the first reader's backward;
+    # where the base's gradient is already there (from the loss, or from nodes made after the
+    # view), the sum is a second tensor until it joins (by the base node's backward at the latest)
+    position = {line.name: i for i, line in enumerate(graph.captured.graph.nodes)}
+    holder = {line.name: node for node in graph.nodes for line in node.lines}
+    for view, base in graph.grouped_views.items():
+        view_readers = [node for node in graph.nodes if any(line.name == view for line in node.prelude)]
+        base_node = graph.node(graph.owner.get(base, base))
+        late = base in graph.outputs or any(
+            user.name in holder and holder[user.name] is not base_node and holder[user.name] not in view_readers
+            and position[holder[user.name].main.name] > position[view]
+            for user in _line(graph, base).users)
+        if not late:
+            continue
+        group = FirstRun(f"{base}.grad.views.{view}", _nbytes(_line(graph, base).meta["val"]),
+                         until=cname(base_node.name, ComputeKind.BACKWARD))
+        for reader in view_readers:
+            result.setdefault(cname(reader.name, ComputeKind.BACKWARD), []).append(group)
     readers = graph.readers()
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
@@ -211,7 +231,8 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
         grouped_outputs = 0
         for view, view_readers in graph.input_view_readers(name).items():
             # a grouped view that the user gets: the loss's contribution opens its group
-            returned = graph.outputs.count(view)
+            # (a view of the input alone, as exec.codegen makes it from the group's alias)
+            returned = graph.outputs.count(view) if len(_line(graph, view).all_input_nodes) == 1 else 0
             grouped_outputs += returned
             if returned:
                 result.setdefault("loss", []).extend([group] * returned)
@@ -225,6 +246,14 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
     result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
               for name, entries in result.items()}
     return {name: tuple(entries) for name, entries in result.items() if entries}
+
+
+def _line(graph: SimplifiedGraph, fx_name: str) -> torch.fx.Node:
+    """The captured graph's line named ``fx_name``."""
+    for line in graph.captured.graph.nodes:
+        if line.name == fx_name:
+            return line
+    raise KeyError(fx_name)
 
 
 def _contributions(node, name: str, graph: SimplifiedGraph) -> int:

@@ -333,6 +333,8 @@ class FirstRun:
     contributes to as to the CD-graph's gradients (the contribution waits for the next compute
     node, then joins as a new tensor). ``in_overhead``: results of the node's own operation,
     which its measured temporary memory holds at its peak (not counted twice while it runs).
+    ``until``: freed when the compute node of that name starts (a view group's sum, added
+    into its base's gradient by then).
     """
 
     key: str
@@ -341,6 +343,7 @@ class FirstRun:
     until_loss: bool = False
     accumulates: bool = False
     in_overhead: bool = False
+    until: str | None = None
 
 
 @dataclass

@@ -192,6 +192,10 @@ class SimplifiedGraph:
     # exported tensors that a backward from the outputs reaches (rkgb.inspect.gradient_flow);
     # None: not known, every tensor computed from one that requires grad is taken to be reached
     gradient_receivers: set[str] | None = None
+    # views of a node's result made in each of their readers' preludes, whose gradients the
+    # executor sums apart (view groups): view fx name -> the fx name of the result it views
+    # (see _group_views_of_results)
+    grouped_views: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._by_name = {node.name: node for node in self.nodes}
@@ -546,6 +550,7 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         outputs=outputs,
     )
     _move_views_to_their_reader(simplified)
+    _group_views_of_results(simplified)
     return _sink_free_nodes(simplified)
 
 
@@ -579,6 +584,68 @@ def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
             node.body.remove(line)
             reader.prelude.insert(_first_reading(reader.prelude, line), line)
             line_holder[line.name] = reader.name
+
+
+def _group_views_of_results(graph: SimplifiedGraph) -> None:
+    """Make a view of a node's result that several other nodes read in each of them, where
+    eager's order of the result's gradient contributions needs it.
+
+    Eager sums a view's contributions in the view's own buffer and adds the sum into the
+    result's gradient when the view's backward runs, which is where the view was made in the
+    engine's order (the latest made first): after the nodes made after the view, before those
+    made before it. A view kept in the node's body runs its backward with the node's, after
+    every reader of the result: where a node made before the view also reads the result (or a
+    view of it), the sums differ in their last bits. Made in each reader (the same line in
+    every prelude), its contributions form a group that the executor sums apart and adds into
+    the result's gradient at the view's place (``exec.codegen``, view groups); the plan counts
+    the group's sum (``rkgb.build.first_run_bytes``). Views that the user gets, that the node
+    itself reads, or made before an in-place write of the result stay in the body.
+    """
+    outputs = set(graph.outputs) | set(graph.captured.user_outputs)
+    position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
+    holder = {line.name: node.name for node in graph.nodes for line in node.lines}
+    for node in graph.nodes:
+        for line in list(node.body):
+            own = {other.name for other in node.lines}
+            if classify(line) is not OpKind.VIEW or not line.args or not isinstance(line.args[0], torch.fx.Node) \
+                    or line.args[0].name not in own:
+                continue
+            main = line.args[0]  # the node's result, or a view of it that the node exports
+            later = node.body[node.body.index(line) + 1:]
+            if any(classify(other) is OpKind.INPLACE for other in later):
+                continue
+            family = [line] + [user for user in line.users if user.target is operator.getitem
+                               and holder.get(user.name) == node.name]
+            names = {member.name for member in family}
+            if names & outputs:
+                continue
+            readers: list[str] = []
+            nested = False
+            for member in family:
+                for user in member.users:
+                    if user.name in names:
+                        continue
+                    owner = holder.get(user.name)
+                    if owner is None or owner == node.name:
+                        nested = True
+                    elif owner not in readers:
+                        readers.append(owner)
+            if nested or len(readers) < 2:
+                continue
+            # a node made before the view that reads the result itself
+            early = any(holder.get(user.name) not in (None, node.name) and user.name not in names
+                        and position[graph.node(holder[user.name]).main.name] < position[line.name]
+                        for user in main.users)
+            if not early or (main is not node.main and main.name not in graph.exported(node)):
+                continue
+            for member in family:
+                node.body.remove(member)
+            for name in readers:
+                reader = graph.node(name)
+                for member in family:
+                    if any(user.name in {l.name for l in reader.lines} for user in member.users) or member is line:
+                        reader.prelude.insert(_first_reading(reader.prelude, member), member)
+            graph.grouped_views[line.name] = main.name
 
 
 def _first_reading(lines: list[torch.fx.Node], line: torch.fx.Node) -> int:

@@ -49,7 +49,8 @@ import pulp
 from rkgb.cdgraph import CDGraph, ComputeKind, DataKind
 from solvers.simulate import effective_needs, gradient_profile, operation_outputs, phantoms_of
 
-__all__ = ["ILPSolution", "RkCheckmateILP", "make_pulp_solver", "highs_available"]
+__all__ = ["ILPSolution", "RkCheckmateILP", "make_pulp_solver", "highs_available", "ortools_available",
+           "solve_with_ortools"]
 
 
 def highs_available() -> bool:
@@ -62,6 +63,81 @@ def highs_available() -> bool:
 
 
 _WARNINGS_LOCK = threading.Lock()
+
+# the backends of OR-Tools' model builder (``pip install ortools``), by our name
+ORTOOLS_ENGINES = {"cpsat": "sat", "scip": "scip"}
+
+
+def ortools_available(name: str = "cpsat") -> bool:
+    """Whether OR-Tools can run backend ``name`` (``"cpsat"``, ``"scip"``)."""
+    try:
+        from ortools.linear_solver.python import model_builder
+    except ImportError:
+        return False
+    return model_builder.ModelSolver(ORTOOLS_ENGINES[name]).solver_is_supported()
+
+
+def solve_with_ortools(prob: pulp.LpProblem, name: str, time_limit_s: float | None, gap: float = 0.0,
+                       threads: int = 1) -> None:
+    """Solve the pulp problem ``prob`` with OR-Tools' backend ``name`` (``"cpsat"``: CP-SAT,
+    Google's constraint-programming and SAT-based MIP solver, which scales the continuous
+    variables; ``"scip"``), as ``prob.solve`` would: the variables' values, ``prob.status`` and
+    ``prob.sol_status`` are set. The variables' current values (a start) become hints."""
+    import math
+
+    from ortools.linear_solver.python import model_builder as mb
+
+    model = mb.ModelBuilder()
+    variables = prob.variables()
+    mapped = {}
+    for v in variables:
+        low = -math.inf if v.lowBound is None else v.lowBound
+        high = math.inf if v.upBound is None else v.upBound
+        var = model.new_var(low, high, v.cat == pulp.LpInteger, v.name)
+        mapped[v.name] = var
+        if v.varValue is not None:
+            model.add_hint(var, v.varValue)
+
+    def expression(affine: pulp.LpAffineExpression):
+        items = list(affine.items())
+        return mb.LinearExpr.weighted_sum([mapped[v.name] for v, _ in items], [c for _, c in items],
+                                          constant=affine.constant)
+
+    for constraint in prob.constraints.values():
+        expr = expression(constraint)
+        if constraint.sense == pulp.LpConstraintLE:
+            model.add(expr <= 0)
+        elif constraint.sense == pulp.LpConstraintGE:
+            model.add(expr >= 0)
+        else:
+            model.add(expr == 0)
+    objective = expression(prob.objective) if prob.objective is not None else mb.LinearExpr.weighted_sum([], [])
+    if prob.sense == pulp.LpMinimize:
+        model.minimize(objective)
+    else:
+        model.maximize(objective)
+    solver = mb.ModelSolver(ORTOOLS_ENGINES[name])
+    if time_limit_s is not None:
+        solver.set_time_limit_in_seconds(time_limit_s)
+    if name == "cpsat":
+        solver.set_solver_specific_parameters(f"num_workers:{max(1, threads)},relative_gap_limit:{gap}")
+    elif name == "scip":
+        solver.set_solver_specific_parameters(f"limits/gap = {gap}\nlp/threads = {max(1, threads)}")
+    status = solver.solve(model)
+    solved = {mb.SolveStatus.OPTIMAL: (pulp.LpStatusOptimal, pulp.LpSolutionOptimal),
+              mb.SolveStatus.FEASIBLE: (pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible)}
+    if status in solved:
+        prob.status, prob.sol_status = solved[status]
+        for v in variables:
+            v.varValue = float(solver.value(mapped[v.name]))
+    elif status == mb.SolveStatus.INFEASIBLE:
+        prob.status, prob.sol_status = pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible
+    elif status in (mb.SolveStatus.MODEL_INVALID, mb.SolveStatus.INVALID_SOLVER_PARAMETERS,
+                    mb.SolveStatus.SOLVER_TYPE_UNAVAILABLE, mb.SolveStatus.INCOMPATIBLE_OPTIONS,
+                    mb.SolveStatus.ABNORMAL):
+        raise RuntimeError(f"OR-Tools {name}: {status.name} {solver.status_string}")
+    else:  # no solution within the time limit
+        prob.status, prob.sol_status = pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
 
 
 def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0,
@@ -88,7 +164,11 @@ def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0,
         if not highs_available():
             raise ImportError("solver='highs' needs the highspy package: pip install highspy")
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1)
-    raise ValueError(f"ilp_solver must be 'cbc' or 'highs', got {name!r}")
+    if name in ORTOOLS_ENGINES:  # solved by solve_with_ortools; this object is not used
+        if not ortools_available(name):
+            raise ImportError(f"solver={name!r} needs OR-Tools: pip install ortools")
+        return None
+    raise ValueError(f"ilp_solver must be 'cbc', 'highs', 'cpsat' or 'scip', got {name!r}")
 
 
 @dataclass
@@ -380,7 +460,7 @@ class RkCheckmateILP:
         # not worth their time
         extra = {} if cbc_options is None else {"cbc_options": cbc_options}
         backend = make_pulp_solver(solver, time_limit_s, gap, heuristics=start is None, **extra)
-        if start is not None and solver == "cbc":
+        if start is not None and solver in ("cbc", *ORTOOLS_ENGINES):
             self._set_start(start)
             warm_start = True
         if warm_start and solver == "cbc":
@@ -418,7 +498,10 @@ class RkCheckmateILP:
         HiGHS error), solve again with the other backend (HiGHS where installed, else CBC
         without a start), so that no backend's exception reaches the user."""
         try:
-            self.prob.solve(backend)
+            if solver in ORTOOLS_ENGINES:
+                solve_with_ortools(self.prob, solver, time_limit_s, gap)
+            else:
+                self.prob.solve(backend)
             return
         except (pulp.PulpSolverError, OSError, RuntimeError) as error:
             first_error = error

@@ -298,6 +298,11 @@ def simulate(
         if isinstance(op, Compute):
             runs[op.node] = runs.get(op.node, 0) + 1
     kept = 0  # their bytes
+    released_by: dict[str, list] = {}  # compute node -> the first-run entries freed as it starts
+    for entries in (first_run_bytes or {}).values():
+        for entry in entries:
+            if entry.until is not None and entry not in released_by.get(entry.until, []):
+                released_by.setdefault(entry.until, []).append(entry)
     waiting: list[int] = []  # contributions to first-run gradients waiting for the next compute
     storages = _Storages(graph, inputs)
     for d in sorted(alive):
@@ -341,6 +346,10 @@ def simulate(
         if not graph.has_compute(op.node):
             raise InvalidSchedule(f"{where(i, op)}: unknown compute node {op.node!r}")
         node = graph.compute(op.node)
+        for entry in released_by.get(node.name, ()):
+            if entry.key in first_runs:
+                first_runs.discard(entry.key)
+                kept -= entry.bytes
         # the contributions of the previous backward join their gradients (the executor
         # flushes them as the next compute starts)
         if same_call and i in same_call:
@@ -399,7 +408,9 @@ def simulate(
         again = 0
         for entry in (first_run_bytes or {}).get(node.name, ()):
             if entry.key in first_runs:
-                if entry.accumulates:  # a contribution that waits for the next compute node
+                if entry.until is not None:  # held from the first run to its end: nothing more
+                    pass
+                elif entry.accumulates:  # a contribution that waits for the next compute node
                     waiting.append(entry.bytes)
                 else:  # the outer generator state, saved while a replay runs
                     again += entry.bytes

@@ -80,5 +80,11 @@ GRID = dict(peak_steps=3, save_steps=3)
 # opens the view's sum, then each read's in turn, as eager's view buffer adds them
 @example(written([("identity_view", [0]), ("identity_view", [0]), ("cat_linear", [2, 2])], [2, 3], batch=3,
                  seq=6, input_requires_grad=True, seed=73), 0.3)
+# a view of a node's result (chunk) that two nodes read, the result itself read by a node made
+# before the view: the view's gradient joins the result's where eager runs the view's backward
+@example(written([("conv1d", [0]), ("linear_tied", [1]), ("chunk_mul", [1])], [1, 2, 3], dtype=torch.float64,
+                 seed=43), 0.3)
+@example(written([("attention", [0, 0]), ("mean_scale", [1]), ("add", [0, 2]), ("chunk_mul", [1]), ("silu", [4])],
+                 [3, 4, 5], batch=3, seq=6, input_requires_grad=True, seed=1367), 0.8)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
