@@ -15,11 +15,17 @@ thread, one solver thread.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 import warnings
 from pathlib import Path
 
+try:  # before pulp: OR-Tools' bundled HiGHS and highspy's clash in one process (the one
+    # imported first wins); pulp's HiGHS is then unavailable
+    from ortools.linear_solver.python import model_builder  # noqa: F401
+except ImportError:
+    pass
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +58,12 @@ def main() -> None:
     for name in args.models:
         graph = biggest_class(name)
         top = autograd_option(graph)
-        unit = max(1.0, top.peak_bytes / 1000.0)
+        # a unit that divides every size: integral coefficients (CP-SAT's integer model)
+        unit = 0
+        for size in [d.size_bytes for d in graph.data_nodes] + \
+                [c.overhead(w) for c in graph.compute_nodes for w in (False, True)]:
+            unit = math.gcd(unit, int(size))
+        unit = max(1, unit)
         print(f"\n{name}: class of {len(graph.compute_nodes)} compute nodes, no-recomputation peak "
               f"{top.peak_bytes} B; {args.limit:.0f} s per solve")
         models = {b: RkCheckmateILP(graph, lazy_recompute=True, memory_unit_bytes=unit) for b in backends}

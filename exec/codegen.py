@@ -298,7 +298,8 @@ class _Generator:
         # its own alias, so that the group sums each contribution in turn, as eager's view
         # buffer does (where the engine would sum the island's reads first)
         lines_by_name = {line.name: line for line in node.prelude}
-        remade = {name for name in grouped if counts.get(name, 0) > 1 and self._input_of_view(lines_by_name[name])}
+        remade = {name for name in grouped if counts.get(name, 0) > 1 and self._input_of_view(lines_by_name[name])
+                  and isinstance(lines_by_name[name].meta.get("val"), torch.Tensor)}  # (not a split's pieces)
         reads: dict[str, list[str]] = {}
         for line in node.lines:
             args = tensor_args(line)

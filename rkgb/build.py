@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import time
 from dataclasses import dataclass, field
 
@@ -220,29 +222,36 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
             continue
         size = value.numel() * value.element_size()
         grad = FirstRun(f"{name}.grad", size, accumulates=True)
-        for reader in readers.get(name, ()):  # views of the input included (their owner is it)
-            result.setdefault(cname(reader, ComputeKind.BACKWARD), []).extend(
-                [grad] * _contributions(graph.node(reader), name, graph))
-        # a view of the input made in nodes' preludes: the executor sums its gradient apart
-        # before it joins the input's (exec.codegen, view groups), as eager's view buffer does
-        # (one buffer for the input's views: a group's sum joins the input's gradient before
-        # the next group's first contribution, in the usual order of a backward)
-        group = FirstRun(f"{name}.grad.views", size, accumulates=True)
-        grouped_outputs = 0
+        # views of the input made in nodes' preludes, which several nodes (or the user) read:
+        # the executor sums each one's gradient apart before it joins the input's (exec.codegen,
+        # view groups), as eager's view buffer does; a view read by one node alone is counted
+        # as a contribution of that node to the input's gradient
+        grouped: dict[str, list[str]] = {}
+        returned: dict[str, int] = {}
         for view, view_readers in graph.input_view_readers(name).items():
-            # a grouped view that the user gets: the loss's contribution opens its group
-            # (a view of the input alone, as exec.codegen makes it from the group's alias)
-            returned = graph.outputs.count(view) if len(_line(graph, view).all_input_nodes) == 1 else 0
-            grouped_outputs += returned
-            if returned:
-                result.setdefault("loss", []).extend([group] * returned)
-            if len(view_readers) + returned < 2:
-                continue  # (one reader: its contribution waits alone; counted as the input's)
-            for reader in view_readers:
-                result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(group)
+            # (a view of the input alone that the user gets: the loss's contribution opens its
+            # group, as exec.codegen makes it from the group's alias)
+            returned[view] = graph.outputs.count(view) if len(_line(graph, view).all_input_nodes) == 1 else 0
+            if len(view_readers) + returned[view] >= 2:
+                grouped[view] = view_readers
+        direct: dict[str, int] = {}
+        for reader in readers.get(name, ()):  # views of the input included (their owner is it)
+            direct[reader] = _contributions(graph.node(reader), name, graph, set(grouped))
+            result.setdefault(cname(reader, ComputeKind.BACKWARD), []).extend([grad] * direct[reader])
         # an output that is the input (or a view of it): the loss gives the input a gradient
-        outputs = sum(graph.owner.get(output) == name for output in graph.outputs) - grouped_outputs
+        outputs = sum(graph.owner.get(output) == name for output in graph.outputs) - \
+            sum(returned[view] for view in grouped)
         result.setdefault("loss", []).extend([grad] * outputs)
+        # a group's sum is the input's gradient where it is the only way the gradient comes
+        # (it becomes the gradient when it joins); else a second tensor meanwhile (counted to
+        # the end of the step: one buffer for the input's views, as a group's sum joins the
+        # input's gradient before the next group's first contribution)
+        alone = len(grouped) == 1 and outputs == 0 and not any(direct.values())
+        key = grad if alone else FirstRun(f"{name}.grad.views", size, accumulates=True)
+        for view, view_readers in grouped.items():
+            result.setdefault("loss", []).extend([key] * returned[view])
+            for reader in view_readers:
+                result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(key)
     result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
               for name, entries in result.items()}
     return {name: tuple(entries) for name, entries in result.items() if entries}
@@ -256,13 +265,19 @@ def _line(graph: SimplifiedGraph, fx_name: str) -> torch.fx.Node:
     raise KeyError(fx_name)
 
 
-def _contributions(node, name: str, graph: SimplifiedGraph) -> int:
+def _contributions(node, name: str, graph: SimplifiedGraph, grouped: set[str] = frozenset()) -> int:
     """How many contributions a node's backward makes to the gradient of global ``name``: one
     per read when it reads it more than once (the executor gives each read its own alias,
-    :class:`rkgb.gradsink.GradientQueue`), and one more for its reads through views."""
-    reads = sum(arg.name == name for line in node.lines for arg in tensor_args(line))
-    through_views = any(graph.owner.get(arg.name) == name and arg.name != name
-                        for line in node.lines for arg in tensor_args(line))
+    :class:`rkgb.gradsink.GradientQueue`), and one more for its reads through views; reads
+    through the ``grouped`` views (and their pieces) go to those views' groups, not counted."""
+    family = set(grouped) | {line.name for line in node.lines if line.target is operator.getitem
+                             and isinstance(line.args[0], torch.fx.Node) and line.args[0].name in grouped}
+    lines = [line for line in node.lines if line.name not in family]
+    reads = sum(arg.name == name for line in lines for arg in tensor_args(line))
+    through_views = any(graph.owner.get(arg.name) == name and arg.name != name and arg.name not in family
+                        for line in lines for arg in tensor_args(line))
+    if not reads and not through_views:
+        return 0
     return (reads if reads > 1 else 1) + (1 if reads > 1 and through_views else 0)
 
 

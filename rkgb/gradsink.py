@@ -139,7 +139,7 @@ class GradientQueue:
     through :class:`rkgb.saved.SavedTensors`, never through an alias.
     """
 
-    __slots__ = ("pending", "fresh", "kept", "groups")
+    __slots__ = ("pending", "fresh", "kept", "groups", "delivered")
 
     def __init__(self) -> None:
         # (rank or None, sink, contribution, group or None), in the order the engine made them
@@ -148,6 +148,10 @@ class GradientQueue:
         self.kept: list[object] = []  # the AccumulateGrad nodes of aliases of globals, until then
         # (sink, group) -> the sum so far of the group's contributions (see alias)
         self.groups: dict[tuple[int, str], tuple[GradSink, torch.Tensor]] = {}
+        # groups whose place in the backward is passed: a later contribution (from the backward
+        # of the island that makes the view after its own result) joins its sink at once, in
+        # the order of the reads
+        self.delivered: set[str] = set()
 
     def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int], is_global: bool = False,
               group: str | None = None) -> torch.Tensor:
@@ -193,7 +197,7 @@ class GradientQueue:
             if all(entry[0] is not None for entry in entries):
                 entries.sort(key=lambda entry: entry[0])
             for _, sink, grad, group in entries:
-                if group is None:
+                if group is None or group in self.delivered:
                     sink((grad,))
                     continue
                 key = (id(sink), group)
@@ -210,6 +214,7 @@ class GradientQueue:
     def deliver(self, group: str) -> None:
         """The backward reaches the place of eager's view ``group`` (every node made after the
         view has run its backward): the group's sum joins its sink."""
+        self.delivered.add(group)
         for key in [key for key in self.groups if key[1] == group]:
             sink, total = self.groups.pop(key)
             sink((total,))
@@ -218,5 +223,6 @@ class GradientQueue:
         """The backward ends: the groups not delivered yet (views made before every node that
         has a backward) join their sinks."""
         groups, self.groups = self.groups, {}
+        self.delivered = set()
         for sink, total in groups.values():
             sink((total,))

@@ -646,6 +646,23 @@ def _group_views_of_results(graph: SimplifiedGraph) -> None:
                     if any(user.name in {l.name for l in reader.lines} for user in member.users) or member is line:
                         reader.prelude.insert(_first_reading(reader.prelude, member), member)
             graph.grouped_views[line.name] = main.name
+    # a view moved to its one reader (_move_views_to_their_reader) whose contribution would
+    # reach the result's gradient before those of nodes made between the view and its reader
+    for reader in graph.nodes:
+        for line in reader.prelude:
+            if classify(line) is not OpKind.VIEW or line.name in graph.grouped_views or not line.args \
+                    or not isinstance(line.args[0], torch.fx.Node) or line.args[0].name not in holder:
+                continue
+            base = line.args[0]
+            owner = graph.node(holder[base.name])
+            if owner is reader:
+                continue
+            between = any(holder.get(user.name) not in (None, owner.name, reader.name)
+                          and position[line.name] < position[graph.node(holder[user.name]).main.name]
+                          < position[reader.main.name]
+                          for user in base.users)
+            if between:
+                graph.grouped_views[line.name] = base.name
 
 
 def _first_reading(lines: list[torch.fx.Node], line: torch.fx.Node) -> int:

@@ -59,7 +59,7 @@ def highs_available() -> bool:
         import highspy  # noqa: F401
     except ImportError:
         return False
-    return True
+    return bool(pulp.HiGHS(msg=False).available())
 
 
 _WARNINGS_LOCK = threading.Lock()
@@ -89,11 +89,25 @@ def solve_with_ortools(prob: pulp.LpProblem, name: str, time_limit_s: float | No
 
     model = mb.ModelBuilder()
     variables = prob.variables()
+    integral: set[str] = set()
+    if name == "cpsat":
+        # CP-SAT has no continuous variables (it scales them, which can make a model of
+        # fractional byte counts infeasible): one that only appears in constraints of integral
+        # coefficients and constants (a memory unit dividing every size) takes integral values
+        # at the optimum, and becomes an integer variable
+        fractional: set[str] = set()
+        for constraint in prob.constraints.values():
+            exact = float(constraint.constant).is_integer() and all(float(c).is_integer() for c in constraint.values())
+            if not exact:
+                fractional.update(v.name for v in constraint.keys())
+        integral = {v.name for v in variables if v.cat != pulp.LpInteger and v.name not in fractional}
     mapped = {}
     for v in variables:
         low = -math.inf if v.lowBound is None else v.lowBound
         high = math.inf if v.upBound is None else v.upBound
-        var = model.new_var(low, high, v.cat == pulp.LpInteger, v.name)
+        if v.name in integral:
+            low, high = math.ceil(low) if low > -math.inf else -2**40, math.floor(high) if high < math.inf else 2**40
+        var = model.new_var(low, high, v.cat == pulp.LpInteger or v.name in integral, v.name)
         mapped[v.name] = var
         if v.varValue is not None:
             model.add_hint(var, v.varValue)
@@ -122,7 +136,7 @@ def solve_with_ortools(prob: pulp.LpProblem, name: str, time_limit_s: float | No
     if name == "cpsat":
         solver.set_solver_specific_parameters(f"num_workers:{max(1, threads)},relative_gap_limit:{gap}")
     elif name == "scip":
-        solver.set_solver_specific_parameters(f"limits/gap = {gap}\nlp/threads = {max(1, threads)}")
+        solver.set_solver_specific_parameters(f"limits/gap = {gap}")
     status = solver.solve(model)
     solved = {mb.SolveStatus.OPTIMAL: (pulp.LpStatusOptimal, pulp.LpSolutionOptimal),
               mb.SolveStatus.FEASIBLE: (pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible)}

@@ -86,5 +86,16 @@ GRID = dict(peak_steps=3, save_steps=3)
                  seed=43), 0.3)
 @example(written([("attention", [0, 0]), ("mean_scale", [1]), ("add", [0, 2]), ("chunk_mul", [1]), ("silu", [4])],
                  [3, 4, 5], batch=3, seq=6, input_requires_grad=True, seed=1367), 0.8)
+# a view of a node's result read by one node, and the result read by a node made between the
+# view and its reader: the view's gradient joins the result's at the view's place
+@example(written([("linear", [0]), ("identity_view", [1]), ("scale", [1]), ("tanh", [2])], [1, 3, 4], seed=1), 1.0)
+# a view of the input made in an island after its own read of the input (index assignment): its
+# gradient joins in the order of the island's reads, the returned input's first
+@example(written([("index_assign", [0, 0]), ("index_assign", [1, 1]), ("index_assign", [2, 1])], [0, 1, 2], seq=6,
+                 dim=16, input_requires_grad=True, seed=2098), 0.8)
+# the input's gradient made by one view group alone: the group's sum is that gradient (the plan
+# without recomputation counted it twice, above eager's peak)
+@example(written([("chunk_mul", [0])], [1], batch=3, seq=6, dim=16, dtype=torch.float64, input_requires_grad=True,
+                 seed=500), 0.0)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
