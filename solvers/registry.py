@@ -446,12 +446,20 @@ def _sqrt_solver(**options):
     return SqrtSolver(**options)
 
 
+def _articulation_solver(**options):
+    """``"articulation"``: checkpoints at articulation points (:mod:`solvers.articulation`)."""
+    from solvers.articulation import ArticulationSolver
+
+    return ArticulationSolver(**options)
+
+
 SOLVERS = {
     "rockmate": RockmateSolver,
     "rotor": RotorSolver,
     "checkmate": CheckmateSolver,
     "none": NoRecomputeSolver,
     "sqrt": _sqrt_solver,
+    "articulation": _articulation_solver,
 }
 
 

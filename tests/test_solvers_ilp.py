@@ -276,3 +276,33 @@ def test_grid_options_do_not_depend_on_workers_or_repair_quality(name):
             b = min((o.time_s for o in plain if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
             assert (a is None) == (b is None)
             assert a is None or a == pytest.approx(b, rel=1e-9)
+
+
+def test_ortools_backends_reach_cbcs_optimum():
+    """CP-SAT and SCIP through OR-Tools (where installed) give CBC's optimum on toy graphs: run
+    in a process of their own that loads OR-Tools before pulp (which loads highspy, whose
+    HiGHS clashes with OR-Tools' bundled one)."""
+    import importlib.util
+    import subprocess
+    import sys
+    import textwrap
+
+    if importlib.util.find_spec("ortools") is None:
+        pytest.skip("ortools is not installed")
+    script = textwrap.dedent("""
+        from ortools.linear_solver.python import model_builder  # before pulp
+        from solvers.checkmate_ilp import RkCheckmateILP, ortools_available
+        from solvers.toy_graphs import attention_like_graph, diamond_graph, residual_graph
+        for graph in (diamond_graph(), residual_graph(), attention_like_graph()):
+            objectives = {}
+            for solver in ["cbc"] + [s for s in ("cpsat", "scip") if ortools_available(s)]:
+                ilp = RkCheckmateILP(graph, lazy_recompute=True)
+                low = ilp.solve(None, objective="peak", solver=solver).objective
+                objectives[solver] = (round(low, 6), round(ilp.solve(low * 1.2, solver=solver).objective, 6))
+            assert len(set(objectives.values())) == 1, objectives
+            print(sorted(objectives))
+    """)
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "cpsat" in result.stdout or "scip" in result.stdout
