@@ -506,6 +506,34 @@ class RkCheckmateILP:
         )
 
 
+    def relaxed_liveness(self, peak_bytes: float | None, *, objective: str = "time",
+                         time_limit_s: float | None = 30.0, solver: str = "cbc") -> dict[str, float] | None:
+        """The LP relaxation (every integer variable continuous in its bounds): the value of
+        each liveness variable ``S`` (by name) at its optimum, or None where the LP is
+        infeasible (then so is the ILP). Checkmate's first phase (Jain et al., MLSys 2020)."""
+        integer = [v for v in self.prob.variables() if v.cat == pulp.LpInteger]
+        for v in integer:
+            v.cat = pulp.LpContinuous
+        try:
+            solution = self.solve(peak_bytes, objective=objective, time_limit_s=time_limit_s, solver=solver)
+        finally:
+            for v in integer:
+                v.cat = pulp.LpInteger
+        if not solution.feasible:
+            return None
+        return {v.name: float(v.varValue or 0.0) for v in self.prob.variables() if v.name.startswith("S_")}
+
+    def fix_liveness(self, values: dict[str, float] | None) -> None:
+        """Fix each liveness variable named in ``values`` to its value (0 or 1), or free them
+        all again (None): Checkmate's second phase solves the recomputations given them."""
+        for v in self.prob.variables():
+            if not v.name.startswith("S_"):
+                continue
+            if values is None:
+                v.lowBound, v.upBound = 0, 1
+            elif v.name in values:
+                v.lowBound = v.upBound = values[v.name]
+
     def _solve_with_fallback(self, backend: pulp.LpSolver, solver: str, time_limit_s: float | None,
                              gap: float) -> None:
         """Solve with ``backend``; where the backend itself fails (CBC's executable crashing, a

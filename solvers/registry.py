@@ -453,6 +453,13 @@ def _articulation_solver(**options):
     return ArticulationSolver(**options)
 
 
+def _checkmate_lp_solver(**options):
+    """``"checkmate-lp"``: Checkmate's LP relaxation and rounding (:mod:`solvers.checkmate_lp`)."""
+    from solvers.checkmate_lp import CheckmateLPSolver
+
+    return CheckmateLPSolver(**options)
+
+
 SOLVERS = {
     "rockmate": RockmateSolver,
     "rotor": RotorSolver,
@@ -460,6 +467,7 @@ SOLVERS = {
     "none": NoRecomputeSolver,
     "sqrt": _sqrt_solver,
     "articulation": _articulation_solver,
+    "checkmate-lp": _checkmate_lp_solver,
 }
 
 

@@ -38,7 +38,7 @@ def test_float64(name):
     _check_exact_training(name, torch.float64, 0.5, "rockmate")
 
 
-@pytest.mark.parametrize("solver", ["rotor", "none", "checkmate"])
+@pytest.mark.parametrize("solver", ["rotor", "none", "checkmate", "checkmate-lp"])
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_other_solvers(name, solver):
     _check_exact_training(name, torch.float32, 1.0 if solver == "none" else 0.6, solver, **({"n_layer": 1} if name == "gpt" else {}))
