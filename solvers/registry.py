@@ -460,6 +460,18 @@ def _checkmate_lp_solver(**options):
     return CheckmateLPSolver(**options)
 
 
+def _knapsack_solver(method: str):
+    """``"knapsack-<method>"``: PyTorch's activation-memory-budget knapsacks
+    (:mod:`solvers.knapsack`)."""
+
+    def make(**options):
+        from solvers.knapsack import KnapsackSolver
+
+        return KnapsackSolver(method=method, **options)
+
+    return make
+
+
 SOLVERS = {
     "rockmate": RockmateSolver,
     "rotor": RotorSolver,
@@ -468,6 +480,10 @@ SOLVERS = {
     "sqrt": _sqrt_solver,
     "articulation": _articulation_solver,
     "checkmate-lp": _checkmate_lp_solver,
+    "knapsack-dp": _knapsack_solver("dp"),
+    "knapsack-greedy": _knapsack_solver("greedy"),
+    "knapsack-ilp": _knapsack_solver("ilp"),
+    "knapsack-hirschberg": _knapsack_solver("hirschberg"),
 }
 
 
