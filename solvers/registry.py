@@ -472,6 +472,13 @@ def _knapsack_solver(method: str):
     return make
 
 
+def _bptt_solver(**options):
+    """``"bptt"``: revolve's binomial checkpointing (:mod:`solvers.bptt`)."""
+    from solvers.bptt import BPTTSolver
+
+    return BPTTSolver(**options)
+
+
 SOLVERS = {
     "rockmate": RockmateSolver,
     "rotor": RotorSolver,
@@ -480,6 +487,7 @@ SOLVERS = {
     "sqrt": _sqrt_solver,
     "articulation": _articulation_solver,
     "checkmate-lp": _checkmate_lp_solver,
+    "bptt": _bptt_solver,
     "knapsack-dp": _knapsack_solver("dp"),
     "knapsack-greedy": _knapsack_solver("greedy"),
     "knapsack-ilp": _knapsack_solver("ilp"),
