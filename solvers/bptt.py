@@ -131,6 +131,12 @@ class BPTTSolver(ChainPlanner):
         return ClassOptions(graph=graph, options=[autograd_option(graph)], no_grad=no_grad_forward(graph))
 
     def _solve(self, chain: ModelChain, budget: int) -> Plan:
+        # revolve runs every block's taped forward in the reversal, after a sweep without
+        # autograd: even with a slot per block it runs n - 1 forwards again; where keeping
+        # everything fits, that (autograd's plan) is the fastest
+        top = _no_recompute_plan(chain, budget, self.name)
+        if top.predicted_peak <= budget:
+            return top
         costs, per_block = self.chain_costs(chain)
         n = len(chain.blocks)
         # the DP model's peak grows with the slots: the most that fit, by bisection
@@ -152,9 +158,6 @@ class BPTTSolver(ChainPlanner):
                 return plan
             if high - slots >= 3:
                 break
-        top = _no_recompute_plan(chain, budget, self.name)
-        if top.predicted_peak <= budget:
-            return top
         return _infeasible(chain, budget, self.name, self.min_budget(chain))
 
     def min_budget(self, chain: ModelChain) -> int:
