@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/fuzz.py              # 2000 cases (the "long" profile's count)
     .venv/bin/python benchmarks/fuzz.py --cases 200  # fewer
     .venv/bin/python benchmarks/fuzz.py --seed 7     # another fixed set of cases
+    .venv/bin/python benchmarks/fuzz.py --replay benchmarks/results/fuzz_failures.pkl  # a run's failures again
 
 Each case draws a random program (hypothesis, derandomized: a fixed set of cases for a seed)
 and a budget fraction, and checks the fuzzing property (``random_models.check_program``):
@@ -38,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replay", help="a fuzz_failures.pkl: check those (program, fraction) pairs again")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -58,6 +60,7 @@ def main() -> None:
             outcomes["failure"] += 1
             failures.append(f"fraction {fraction}: {error}")
             failing.append((program, fraction))
+            print(f"failure: fraction {fraction}: {str(error).splitlines()[0]}", flush=True)
             return
         except Exception:  # any other exception is a failure of the property too
             outcomes["failure"] += 1
@@ -73,7 +76,12 @@ def main() -> None:
         if done % 100 == 0:
             print(f"{done} cases, {dict(outcomes)}, {time.perf_counter() - start:.0f} s", flush=True)
 
-    case()
+    if args.replay:
+        with open(args.replay, "rb") as file:
+            for program, fraction in pickle.load(file):
+                case.hypothesis.inner_test(program=program, fraction=fraction)
+    else:
+        case()
     total = sum(outcomes.values())
     print(f"\n{total} cases in {time.perf_counter() - start:.0f} s: {dict(outcomes)}")
     if ratios:
