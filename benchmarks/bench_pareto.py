@@ -118,6 +118,7 @@ def _grad_difference(module, reference, sample) -> float:
     for m in (module, reference):
         for p in m.parameters():
             p.grad = None
+        torch.manual_seed(0)  # the same dropout masks
         _step(m, sample)()
     return max(((a.grad - b.grad).abs().max().item() for a, b in zip(module.parameters(), reference.parameters())
                 if a.grad is not None and b.grad is not None), default=0.0)
