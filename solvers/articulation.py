@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 from rkgb.cdgraph import ModelChain
 
-from .options import ClassOptions, autograd_option, no_grad_forward
-from .registry import ChainPlanner, _infeasible, _no_recompute_plan, _plan
+from .registry import RotorSolver, _infeasible, _no_recompute_plan, _plan
 from .rotor_dp import ChainCosts, strategy_peak, strategy_time
 from .schedule import Plan
 from .sqrt_segments import segment_actions
@@ -49,15 +48,11 @@ def greedy_checkpoints(costs: ChainCosts, n_blocks: int) -> list[tuple[list[int]
 
 
 @dataclass
-class ArticulationSolver(ChainPlanner):
+class ArticulationSolver(RotorSolver):
     """Greedy checkpoints at the chain's articulation points (block boundaries), the fewest
     (along the greedy path) whose plan fits the budget."""
 
     name: str = "articulation"
-
-    def class_options(self, chain: ModelChain, index: int) -> ClassOptions:
-        graph = chain.classes[index]
-        return ClassOptions(graph=graph, options=[autograd_option(graph)], no_grad=no_grad_forward(graph))
 
     def _solve(self, chain: ModelChain, budget: int) -> Plan:
         costs, per_block = self.chain_costs(chain)

@@ -28,8 +28,7 @@ from functools import lru_cache
 
 from rkgb.cdgraph import ModelChain
 
-from .options import ClassOptions, autograd_option, no_grad_forward
-from .registry import ChainPlanner, _infeasible, _no_recompute_plan, _plan
+from .registry import RotorSolver, _infeasible, _no_recompute_plan, _plan
 from .rotor_dp import ChainAction, strategy_peak, strategy_time
 from .schedule import Plan
 
@@ -121,14 +120,10 @@ def revolve_actions(n_blocks: int, slots: int) -> list[ChainAction]:
 
 
 @dataclass
-class BPTTSolver(ChainPlanner):
+class BPTTSolver(RotorSolver):
     """Revolve's binomial checkpoints: the most slots (fewest recomputations) that fit."""
 
     name: str = "bptt"
-
-    def class_options(self, chain: ModelChain, index: int) -> ClassOptions:
-        graph = chain.classes[index]
-        return ClassOptions(graph=graph, options=[autograd_option(graph)], no_grad=no_grad_forward(graph))
 
     def _solve(self, chain: ModelChain, budget: int) -> Plan:
         # revolve runs every block's taped forward in the reversal, after a sweep without

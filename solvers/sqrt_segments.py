@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 from rkgb.cdgraph import ModelChain
 
-from .options import ClassOptions, autograd_option, no_grad_forward
-from .registry import ChainPlanner, _infeasible, _no_recompute_plan, _plan
+from .registry import RotorSolver, _infeasible, _no_recompute_plan, _plan
 from .rotor_dp import ChainAction, ChainCosts, strategy_peak, strategy_time
 from .schedule import Plan
 
@@ -65,16 +64,12 @@ def segment_actions(n_blocks: int, starts: list[int]) -> list[ChainAction]:
 
 
 @dataclass
-class SqrtSolver(ChainPlanner):
+class SqrtSolver(RotorSolver):
     """``checkpoint_sequential``'s segments, the fewest that fit the budget (``segments=None``)
     or a fixed count (``segments=k``; ``"sqrt"``: round(sqrt(n)))."""
 
     name: str = "sqrt"
     segments: int | str | None = None
-
-    def class_options(self, chain: ModelChain, index: int) -> ClassOptions:
-        graph = chain.classes[index]
-        return ClassOptions(graph=graph, options=[autograd_option(graph)], no_grad=no_grad_forward(graph))
 
     def _candidates(self, n_blocks: int) -> list[int]:
         if self.segments == "sqrt":
