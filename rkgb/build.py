@@ -201,7 +201,8 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
     # CD-graph counts that sum as the base's gradient, made by the first reader's backward;
     # where the base's gradient is already there (from the loss, or from nodes made after the
     # view), the sum is a second tensor until it joins (by the base node's backward at the latest)
-    position = {line.name: i for i, line in enumerate(graph.captured.graph.nodes)}
+    captured_lines = {line.name: line for line in graph.captured.graph.nodes}
+    position = {name: i for i, name in enumerate(captured_lines)}
     holder = {line.name: node for node in graph.nodes for line in node.lines}
     for view, base in graph.grouped_views.items():
         view_readers = [node for node in graph.nodes if any(line.name == view for line in node.prelude)]
@@ -209,10 +210,10 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
         late = base in graph.outputs or any(
             user.name in holder and holder[user.name] is not base_node and holder[user.name] not in view_readers
             and position[holder[user.name].main.name] > position[view]
-            for user in _line(graph, base).users)
+            for user in captured_lines[base].users)
         if not late:
             continue
-        group = FirstRun(f"{base}.grad.views.{view}", _nbytes(_line(graph, base).meta["val"]),
+        group = FirstRun(f"{base}.grad.views.{view}", _nbytes(captured_lines[base].meta["val"]),
                          until=cname(base_node.name, ComputeKind.BACKWARD))
         for reader in view_readers:
             result.setdefault(cname(reader.name, ComputeKind.BACKWARD), []).append(group)
@@ -231,7 +232,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
         for view, view_readers in graph.input_view_readers(name).items():
             # (a view of the input alone that the user gets: the loss's contribution opens its
             # group, as exec.codegen makes it from the group's alias)
-            returned[view] = graph.outputs.count(view) if len(_line(graph, view).all_input_nodes) == 1 else 0
+            returned[view] = graph.outputs.count(view) if len(captured_lines[view].all_input_nodes) == 1 else 0
             if len(view_readers) + returned[view] >= 2:
                 grouped[view] = view_readers
         direct: dict[str, int] = {}
@@ -255,14 +256,6 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
     result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
               for name, entries in result.items()}
     return {name: tuple(entries) for name, entries in result.items() if entries}
-
-
-def _line(graph: SimplifiedGraph, fx_name: str) -> torch.fx.Node:
-    """The captured graph's line named ``fx_name``."""
-    for line in graph.captured.graph.nodes:
-        if line.name == fx_name:
-            return line
-    raise KeyError(fx_name)
 
 
 def _contributions(node, name: str, graph: SimplifiedGraph, grouped: set[str] = frozenset()) -> int:

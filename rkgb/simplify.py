@@ -605,8 +605,8 @@ def _group_views_of_results(graph: SimplifiedGraph) -> None:
     position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
     holder = {line.name: node.name for node in graph.nodes for line in node.lines}
     for node in graph.nodes:
+        own = {other.name for other in node.lines}
         for line in list(node.body):
-            own = {other.name for other in node.lines}
             if classify(line) is not OpKind.VIEW or not line.args or not isinstance(line.args[0], torch.fx.Node) \
                     or line.args[0].name not in own:
                 continue

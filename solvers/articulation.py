@@ -19,10 +19,8 @@ from dataclasses import dataclass
 
 from rkgb.cdgraph import ModelChain
 
-from .registry import RotorSolver, _infeasible, _no_recompute_plan, _plan
-from .rotor_dp import ChainCosts, strategy_peak, strategy_time
-from .schedule import Plan
-from .sqrt_segments import segment_actions
+from .rotor_dp import ChainCosts, strategy_peak
+from .sqrt_segments import SqrtSolver, segment_actions
 
 __all__ = ["ArticulationSolver", "greedy_checkpoints"]
 
@@ -48,33 +46,17 @@ def greedy_checkpoints(costs: ChainCosts, n_blocks: int) -> list[tuple[list[int]
 
 
 @dataclass
-class ArticulationSolver(RotorSolver):
+class ArticulationSolver(SqrtSolver):
     """Greedy checkpoints at the chain's articulation points (block boundaries), the fewest
-    (along the greedy path) whose plan fits the budget."""
+    (along the greedy path) whose plan fits the budget; the minimum is the lowest simulated
+    peak along that path (:class:`SqrtSolver`'s search over these strategies)."""
 
     name: str = "articulation"
 
-    def _solve(self, chain: ModelChain, budget: int) -> Plan:
-        costs, per_block = self.chain_costs(chain)
+    def _strategies(self, chain: ModelChain, costs: ChainCosts):
         n = len(chain.blocks)
         for starts, peak in greedy_checkpoints(costs, n):
-            if peak > budget:
-                continue
-            actions = segment_actions(n, starts)
-            plan = _plan(chain, budget, self.name, self.instantiate(chain, per_block, actions))
-            if plan.predicted_peak <= budget:
-                plan.notes.append(f"checkpoints at blocks {starts[1:]} of {n}; "
-                                  f"DP time model {strategy_time(costs, actions):.3g} s")
-                return plan
-        top = _no_recompute_plan(chain, budget, self.name)
-        if top.predicted_peak <= budget:
-            return top
-        return _infeasible(chain, budget, self.name, self.min_budget(chain))
+            yield starts[1:], segment_actions(n, starts), peak
 
-    def min_budget(self, chain: ModelChain) -> int:
-        """The lowest simulated peak along the greedy path."""
-        costs, per_block = self.chain_costs(chain)
-        n = len(chain.blocks)
-        peaks = [_plan(chain, 0, self.name, self.instantiate(chain, per_block, segment_actions(n, starts))).predicted_peak
-                 for starts, _ in greedy_checkpoints(costs, n)]
-        return min(peaks) if peaks else 0
+    def _describe(self, label, n_blocks: int) -> str:
+        return f"checkpoints at blocks {label} of {n_blocks}"

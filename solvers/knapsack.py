@@ -141,18 +141,15 @@ def _items(graph: CDGraph) -> tuple[list[str], list[int], list[float], dict[str,
     return names, weights, values, producer
 
 
-def schedule_of_saved(graph: CDGraph, saved: set[str]) -> Schedule:
+def schedule_of_saved(graph: CDGraph, saved: set[str], producer: dict[str, str] | None = None) -> Schedule:
     """The schedule that runs the forward, keeps the ``saved`` forward nodes' results (and those
     of the model's outputs), and recomputes every other one once, where a backward first needs
-    it (its unsaved inputs first)."""
-    _, _, _, producer = _items(graph)
-    computes: list[str] = []
-    alive: set[str] = set(graph.input_data)
-    for node in graph.compute_nodes:
-        if node.kind is ComputeKind.FORWARD:
-            computes.append(node.name)
+    it (its unsaved inputs first). ``producer``: :func:`_items`'s, where known."""
+    if producer is None:
+        producer = _items(graph)[3]
+    computes = [node.name for node in graph.compute_nodes if node.kind is ComputeKind.FORWARD]
     kept = {producer[d] for d in graph.output_data if d in producer}
-    available = {d for d, p in producer.items() if p in saved or p in kept} | alive
+    available = {d for d, p in producer.items() if p in saved or p in kept} | set(graph.input_data)
 
     def ensure(d: str) -> None:
         if d in available or d not in producer:
@@ -190,19 +187,20 @@ class KnapsackSolver:
     def name(self) -> str:
         return f"knapsack-{self.method}"
 
-    def _plan_at(self, chain: ModelChain, capacity: int) -> Plan:
-        graph = chain.whole_graph()
-        names, weights, values, _ = _items(graph)
-        unit = max(1, -(-sum(weights) // self.resolution))
-        quantized = [-(-w // unit) for w in weights]  # rounded up: the bytes are never under-counted
-        chosen = METHODS[self.method](values, quantized, capacity // unit)
-        return _plan(chain, 0, self.name, schedule_of_saved(graph, {names[i] for i in chosen}))
-
     def _sweep(self, chain: ModelChain) -> list[Plan]:
         """The plans at ``steps + 1`` capacities from nothing saved to everything, the largest
         first (the peak is not monotone in the capacity: a scan, not a bisection)."""
-        total = sum(_items(chain.whole_graph())[1])
-        return [self._plan_at(chain, total * k // self.steps) for k in reversed(range(self.steps + 1))]
+        graph = chain.whole_graph()
+        names, weights, values, producer = _items(graph)
+        total = sum(weights)
+        unit = max(1, -(-total // self.resolution))
+        quantized = [-(-w // unit) for w in weights]  # rounded up: the bytes are never under-counted
+        plans = []
+        for k in reversed(range(self.steps + 1)):
+            chosen = METHODS[self.method](values, quantized, total * k // self.steps // unit)
+            schedule = schedule_of_saved(graph, {names[i] for i in chosen}, producer)
+            plans.append(_plan(chain, 0, self.name, schedule))
+        return plans
 
     def solve(self, chain: ModelChain, budget: int) -> Plan:
         start = time.perf_counter()

@@ -84,13 +84,18 @@ class SqrtSolver(RotorSolver):
             actions = segment_actions(n, segment_bounds(n, count))
             yield count, actions, strategy_peak(costs, actions)
 
+    def _describe(self, label, n_blocks: int) -> str:
+        return f"{label} segment(s) of {n_blocks} blocks"
+
     def _solve(self, chain: ModelChain, budget: int) -> Plan:
+        """The first of :meth:`_strategies` (the least recomputation first) whose plan the
+        simulator puts within the budget."""
         costs, per_block = self.chain_costs(chain)
         fitting = [(count, actions) for count, actions, peak in self._strategies(chain, costs) if peak <= budget]
         for count, actions in fitting:  # the fewest segments first: the least recomputation
             plan = _plan(chain, budget, self.name, self.instantiate(chain, per_block, actions))
             if plan.predicted_peak <= budget:
-                plan.notes.append(f"{count} segment(s) of {len(chain.blocks)} blocks; "
+                plan.notes.append(f"{self._describe(count, len(chain.blocks))}; "
                                   f"DP time model {strategy_time(costs, actions):.3g} s")
                 return plan
         top = _no_recompute_plan(chain, budget, self.name)
