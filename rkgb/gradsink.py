@@ -22,14 +22,16 @@ class GradSink:
     """Collects the gradient of a leaf as eager's ``InputBuffer`` would.
 
     A pre-hook on the leaf's ``AccumulateGrad`` node: the first contribution is stored as is
-    (a copy only when it is a slice of a bigger storage), a later one is added in place into the
+    (a slice of a bigger gradient too: a view, as eager's), a later one is added in place into the
     gradient when the sink holds it alone, as eager's buffer steals it, out of place otherwise
     (``old + grad``: an alias of another gradient); ``AccumulateGrad`` does nothing. The node's backward then receives exactly the gradient
     that eager PyTorch would pass to it, in the same memory layout (a bias gradient's
     reduction rounds identically), sharing storage where eager's share it (an ``add``'s
-    backward passes its incoming gradient itself to both its inputs). The copy of a slice
-    (cat's backward) keeps the sink from holding the whole bigger gradient after the plan
-    forgets it.
+    backward passes its incoming gradient itself to both its inputs). A slice (a ``cat``'s
+    backward) stays a view: the next backward's kernels take another path on a strided
+    gradient than on a contiguous copy (a ``silu``'s vectorized loop rounds otherwise), and the
+    whole bigger gradient stays alive while the slice does, in eager and in the plan (an alias
+    of it, or the storage's bytes where it crosses a block's boundary, ``rkgb.inspect``).
 
     With a :class:`GradientQueue`, a contribution waits in it until the backward that made it
     has let go of its own incoming gradient and saved tensors (:meth:`GradientQueue.flush`), as
@@ -64,23 +66,22 @@ class GradSink:
             # held by the leaf's .grad and by `old` alone: the gradient's only holder
             self.leaf.grad = accumulate(old, grad, old is not None and old._use_count() == 2)
             if old is None:
-                self.first_shared = not _storage_held_alone(self.leaf.grad)
+                grad = self.leaf.grad
+                self.first_shared = not (_storage_held_alone(grad) and _non_overlapping_and_dense(grad))
         return (None,)
 
 
 def accumulate(old: torch.Tensor | None, grad: torch.Tensor, held_alone: bool) -> torch.Tensor:
     """Add ``grad`` to a gradient as eager's ``InputBuffer`` does; returns the new gradient.
 
-    The first contribution is kept as it is (a copy only when it is a slice of a bigger storage,
-    so that it does not hold the whole). A later one is added in place when the gradient is a
+    The first contribution is kept as it is (a slice of a bigger storage too, as eager's buffer
+    keeps it). A later one is added in place when the gradient is a
     dense tensor that nothing else holds (``held_alone``: no other tensor, no view, the caller
     knowing its own references), as eager's buffer steals it; out of place (``old + grad``, a
     new tensor) otherwise. In place or not, the values are the same; the layout of the result,
     and so the rounding of a reduction over it (a bias's gradient), is eager's.
     """
     if old is None:
-        if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
-            grad = grad.clone()
         return grad
     # (a contribution that is the gradient itself, or a view of it: an ``add``'s backward passes
     # its one incoming gradient to every input, and that may be what this sink already holds)
@@ -110,8 +111,6 @@ def _deliver(sink: "weakref.ref[GradSink]", queue: "GradientQueue | None", grad_
         if queue is None:
             target(grad_outputs)
             return (None,)
-        if target.leaf.grad is None and grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
-            grad = grad.clone()  # a slice of a bigger gradient (cat's backward): copied as it comes
         queue.pending.append((None, target, grad, None))
     return (None,)
 
@@ -202,7 +201,7 @@ class GradientQueue:
                     continue
                 key = (id(sink), group)
                 held = self.groups.pop(key, None)
-                if held is None:  # (a slice of a bigger gradient is copied, as a sink's first)
+                if held is None:
                     total = accumulate(None, grad, False)
                 else:
                     # in place into the sum so far when nothing else holds it, as eager's buffer

@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ from .gradsink import GradientQueue, GradSink
 from .saved import SavedTensors, storage_key
 from .simplify import OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs
 
-__all__ = ["NodeMeasure", "BlockMeasure", "GradSink", "inspect_chain", "COST_MODELS"]
+__all__ = ["NodeMeasure", "BlockMeasure", "GradLayout", "GradSink", "inspect_chain", "COST_MODELS"]
 
 COST_MODELS = ("measured", "flops")
 
@@ -177,7 +178,7 @@ def inspect_chain(
     sample,
     cost_model: str = "measured",
     repeats: int = 3,
-    layouts: dict[str, tuple[int, ...]] | None = None,
+    layouts: dict[str, GradLayout] | None = None,
 ) -> list[BlockMeasure]:
     """Measure the representative block of every class; returns one BlockMeasure per class.
 
@@ -213,7 +214,7 @@ def inspect_chain(
     measures: dict[int, BlockMeasure] = {}
     again = representatives
     for _ in range(len(chain.classes) + 1):
-        received: dict[str, tuple[int, ...]] = {}
+        received: dict[str, GradLayout] = {}
         measures.update(_inspect_blocks(graph, chain, model, sample, device, needs, clock, again,
                                         last_use, saved_grads, layouts, received))
         corrected = {name: stride for name, stride in _received_layouts(graph, chain, received).items()
@@ -229,10 +230,10 @@ def inspect_chain(
 
 
 def _received_layouts(graph: SimplifiedGraph, chain: Chain,
-                      received: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+                      received: dict[str, GradLayout]) -> dict[str, GradLayout]:
     """The real layout of the gradient of every block's input, from what the backward of its
     class's representative gave (``received``, by the representative's tensor names)."""
-    out: dict[str, tuple[int, ...]] = {}
+    out: dict[str, GradLayout] = {}
     for block in chain.blocks:
         if block.input_node is None:
             continue
@@ -385,18 +386,38 @@ class _GradState:
         self.alive = {p for p in self.alive if p[0] != node}
 
 
-def _output_gradient(leaf: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
-    """A gradient for an output of the block, in the layout the executor will give it."""
-    if stride is None:
+class GradLayout(NamedTuple):
+    """How eager PyTorch's backward hands a tensor its gradient: the strides, and the bytes of
+    the storage under it (more than the tensor's own where the gradient is a slice of a bigger
+    one, a ``cat``'s backward: eager's buffer keeps the view, and so the whole storage)."""
+
+    stride: tuple[int, ...]
+    storage_bytes: int
+
+    @classmethod
+    def of(cls, grad: torch.Tensor) -> "GradLayout":
+        return cls(tuple(grad.stride()), int(grad.untyped_storage().nbytes()))
+
+
+def _output_gradient(leaf: torch.Tensor, layout: GradLayout | None) -> torch.Tensor:
+    """A gradient for an output of the block, in the layout the executor will give it (a view
+    of a bigger storage where eager's is)."""
+    if layout is None:
         return torch.ones_like(leaf)
-    grad = torch.empty_strided(leaf.shape, stride, dtype=leaf.dtype, device=leaf.device).fill_(1)
-    if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
-        grad = grad.clone()  # GradSink's copy of a slice of a bigger gradient
-    return grad
+    count = max(layout.storage_bytes // leaf.element_size(), 1)
+    storage = torch.empty(count, dtype=leaf.dtype, device=leaf.device)
+    return storage.as_strided(leaf.shape, layout.stride).fill_(1)
 
 
-def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, tuple[int, ...]] | None:
-    """The strides of the gradient of every exported tensor in eager PyTorch's backward.
+def _held_bytes(leaf: torch.Tensor, layout: GradLayout | None) -> int:
+    """The bytes that ``leaf``'s gradient holds: its own, or the bigger storage it is a slice of."""
+    own = leaf.numel() * leaf.element_size()
+    return own if layout is None else max(own, layout.storage_bytes)
+
+
+def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, GradLayout] | None:
+    """The layout (:class:`GradLayout`) of the gradient of every exported tensor in eager
+    PyTorch's backward.
 
     The executor passes gradients between nodes as eager PyTorch would, in their layouts;
     a backward's temporary memory depends on the layout of the gradient it receives (a
@@ -410,7 +431,7 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    record: dict[str, tuple[int, ...]] = {}
+    record: dict[str, GradLayout] = {}
     try:
         env = initial_environment(graph, model, sample)
         mode = FakeTensorMode()
@@ -431,7 +452,7 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
                 for name in graph.exported(node):
                     value = fake[name]
                     if isinstance(value, torch.Tensor) and value.requires_grad:
-                        value.register_hook(lambda g, name=name: record.__setitem__(name, tuple(g.stride())))
+                        value.register_hook(lambda g, name=name: record.__setitem__(name, GradLayout.of(g)))
             outputs = [fake[n] for n in graph.outputs]
             outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
             if outputs:
@@ -447,7 +468,7 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
 def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts, needs,
                    input_sinks: dict[str, GradSink], queue: GradientQueue,
                    strides: dict[str, tuple[int, ...]],
-                   received: dict[str, tuple[int, ...]] | None = None) -> BlockMeasure:
+                   received: dict[str, GradLayout] | None = None) -> BlockMeasure:
     """Run one block node by node exactly as the executor runs it, and measure each node.
 
     Each node is an autograd island over all its lines; the tensors other nodes read (its
@@ -495,6 +516,13 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     def part_sizes(name: str) -> list[int]:
         return [leaf.numel() * leaf.element_size() for leaf, _ in grad_leaves.get(name, [])]
 
+    def boundary_part_sizes(name: str) -> list[int]:
+        """The parts of a gradient that crosses the block's boundary (its input's, its outputs'):
+        a slice of a bigger gradient holds that one's storage (the chain's figures cannot share
+        a storage between blocks, see ``rkgb.build._drop_lasting_aliases``)."""
+        return [_held_bytes(leaf, layouts.get(fx_name))
+                for (leaf, _), fx_name in zip(grad_leaves.get(name, []), grad_names.get(name, []))]
+
     input_bytes, input_requires_grad, input_grad_parts = 0, False, []
     if block.input_node is not None:
         input_node = graph.node(block.input_node)
@@ -502,7 +530,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         make_leaves(input_node, names, [outer_env[n] for n in names])
         input_bytes = sum(o.size_bytes for o in input_node.outputs)
         input_requires_grad = bool(grad_leaves[input_node.name])
-        input_grad_parts = part_sizes(input_node.name)
+        input_grad_parts = boundary_part_sizes(input_node.name)
 
     results: list[NodeMeasure] = []
     with _PeakMeter(device) as meter:
@@ -547,7 +575,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             measure = NodeMeasure(
                 name=anonymous[name],
                 data_bytes=data_bytes,
-                grad_parts=part_sizes(name) if requires_grad else [],
+                grad_parts=(boundary_part_sizes(name) if name in block.output_nodes else part_sizes(name))
+                if requires_grad else [],
                 phantom_bytes=phantom_bytes if requires_grad else 0,
                 requires_grad=requires_grad,
                 forward_overhead_bytes=max(0, peak - data_bytes - phantom_bytes),
@@ -637,7 +666,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     if received is not None and block.input_node is not None:
         for (leaf, _), fx_name in zip(grad_leaves.get(block.input_node, []), grad_names.get(block.input_node, [])):
             if leaf.grad is not None:
-                received[fx_name] = tuple(leaf.grad.stride())
+                received[fx_name] = GradLayout.of(leaf.grad)
     return BlockMeasure(
         class_index=class_index,
         nodes=results,

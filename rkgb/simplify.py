@@ -570,6 +570,7 @@ def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
     """
     outputs = set(graph.outputs) | set(graph.captured.user_outputs)
     line_holder = {line.name: node.name for node in graph.nodes for line in node.lines}
+    position = {line.name: i for i, line in enumerate(graph.captured.graph.nodes)}
     for node in graph.nodes:
         for line in reversed(list(node.body)):
             if classify(line) is not OpKind.VIEW or line.name in outputs or not line.users:
@@ -582,7 +583,15 @@ def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
                 continue
             reader = graph.node(readers.pop())
             node.body.remove(line)
-            reader.prelude.insert(_first_reading(reader.prelude, line), line)
+            if position[line.name] > position[reader.main.name]:
+                # made after the reader's own operation (a slice of a tensor that the reader
+                # writes into its clone): there, as eager makes it, its backward node is
+                # created after the reader's (the engine runs it first)
+                at = next((i for i, other in enumerate(reader.body) if position[other.name] > position[line.name]),
+                          len(reader.body))
+                reader.body.insert(at, line)
+            else:
+                reader.prelude.insert(_first_reading(reader.prelude, line), line)
             line_holder[line.name] = reader.name
 
 

@@ -97,5 +97,18 @@ GRID = dict(peak_steps=3, save_steps=3)
 # without recomputation counted it twice, above eager's peak)
 @example(written([("chunk_mul", [0])], [1], batch=3, seq=6, dim=16, dtype=torch.float64, input_requires_grad=True,
                  seed=500), 0.0)
+# a slice of a cat's gradient (a leaf's only contribution) kept as eager's buffer keeps it, a
+# view: silu's backward of a strided gradient rounds otherwise than of a contiguous copy
+@example(written([("linear_frozen", [0]), ("linear_frozen", [1]), ("sub", [0, 2]), ("silu", [3]),
+                  ("cat_linear", [4, 3])], [0, 5], batch=2, seq=4, dim=8, input_requires_grad=True, seed=6), 0.5)
+@example(written([("sub", [0, 0]), ("mean_scale", [1]), ("layer_norm", [2]), ("chunk_mul", [3]), ("gelu", [4]),
+                  ("silu", [5])], [3, 5], dim=16, dtype=torch.float64), 0.0)
+# that slice as a block's input gradient: it holds the whole cat gradient's storage
+@example(written([("conv2d", [0]), ("cat_linear", [0, 1])], [2], seq=6, dim=16, dtype=torch.float64, seed=30755),
+         0.8)
+# a view of a node's result that its reader makes after its own operation (the slice written
+# into the reader's clone): made there, its backward runs before the clone's, as in eager
+@example(written([("conv1d", [0]), ("index_assign", [1, 1])], [2], batch=3, dim=8, dtype=torch.float64,
+                 input_requires_grad=True, seed=1010), 0.0)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
