@@ -164,10 +164,16 @@ class GradientQueue:
         engine's order, and join the sink as one at :meth:`deliver` (or :meth:`close_groups`)."""
         alias = leaf.detach().requires_grad_()
         pending = self.pending
+        # the hook refers to the sink weakly: the sink's own node refers to this queue, which
+        # keeps the alias's node (``kept``), so a strong reference would make a cycle that holds
+        # the leaf and its gradient after the step, until Python's garbage collector runs (the
+        # user's input gradient was then a copy: autograd cannot take a tensor held elsewhere)
+        sink_ref = weakref.ref(sink)
 
         def keep(grad_outputs):
-            if grad_outputs[0] is not None:
-                pending.append((rank, sink, grad_outputs[0], group))
+            target = sink_ref()
+            if grad_outputs[0] is not None and target is not None:
+                pending.append((rank, target, grad_outputs[0], group))
             return (None,)
 
         node = get_gradient_edge(alias).node

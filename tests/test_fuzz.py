@@ -110,5 +110,9 @@ GRID = dict(peak_steps=3, save_steps=3)
 # into the reader's clone): made there, its backward runs before the clone's, as in eager
 @example(written([("conv1d", [0]), ("index_assign", [1, 1])], [2], batch=3, dim=8, dtype=torch.float64,
                  input_requires_grad=True, seed=1010), 0.0)
+# a returned view of the input (a view group's alias of a global): no reference cycle keeps the
+# input's gradient after the step, so that autograd hands it to the user without a copy
+@example(written([("identity_view", [0]), ("relu", [1]), ("dropout", [2])], [1], batch=3, dim=16,
+                 input_requires_grad=True, seed=1882), 0.8)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
