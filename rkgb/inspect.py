@@ -352,6 +352,8 @@ def _rebuild_views(node: SimplifiedNode, env) -> None:
     for line in node.body:
         if line.name in outputs or (line.target is operator.getitem and line.args[0] is node.main):
             continue
+        if any(arg.name not in env for arg in line.all_input_nodes):
+            continue  # a view of another node's result that this node makes (read only inside it)
         kind = classify(line)
         if kind in (OpKind.VIEW, OpKind.GETITEM):
             run_lines([line], env)
