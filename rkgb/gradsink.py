@@ -66,8 +66,7 @@ class GradSink:
             # held by the leaf's .grad and by `old` alone: the gradient's only holder
             self.leaf.grad = accumulate(old, grad, old is not None and old._use_count() == 2)
             if old is None:
-                grad = self.leaf.grad
-                self.first_shared = not (_storage_held_alone(grad) and _non_overlapping_and_dense(grad))
+                self.first_shared = not _addable_in_place(self.leaf.grad)
         return (None,)
 
 
@@ -86,9 +85,15 @@ def accumulate(old: torch.Tensor | None, grad: torch.Tensor, held_alone: bool) -
     # (a contribution that is the gradient itself, or a view of it: an ``add``'s backward passes
     # its one incoming gradient to every input, and that may be what this sink already holds)
     same_storage = grad.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
-    if held_alone and not same_storage and _storage_held_alone(old) and _non_overlapping_and_dense(old):
+    if held_alone and not same_storage and _addable_in_place(old):
         return old.add_(grad)
     return old + grad
+
+
+def _addable_in_place(gradient: torch.Tensor) -> bool:
+    """Eager's buffer adds the next contribution into ``gradient`` in place only when no other
+    tensor holds its storage and it is dense (not a slice of a bigger gradient)."""
+    return _storage_held_alone(gradient) and _non_overlapping_and_dense(gradient)
 
 
 def _storage_held_alone(tensor: torch.Tensor) -> bool:

@@ -217,8 +217,8 @@ def inspect_chain(
         received: dict[str, GradLayout] = {}
         measures.update(_inspect_blocks(graph, chain, model, sample, device, needs, clock, again,
                                         last_use, saved_grads, layouts, received))
-        corrected = {name: stride for name, stride in _received_layouts(graph, chain, received).items()
-                     if layouts.get(name) != stride}
+        corrected = {name: layout for name, layout in _received_layouts(graph, chain, received).items()
+                     if layouts.get(name) != layout}
         if not corrected:
             break
         layouts = {**layouts, **corrected}
@@ -516,13 +516,12 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         saved.register_data(node.name, made)
 
     def part_sizes(name: str) -> list[int]:
-        return [leaf.numel() * leaf.element_size() for leaf, _ in grad_leaves.get(name, [])]
-
-    def boundary_part_sizes(name: str) -> list[int]:
-        """The parts of a gradient that crosses the block's boundary (its input's, its outputs'):
-        a slice of a bigger gradient holds that one's storage (the chain's figures cannot share
-        a storage between blocks, see ``rkgb.build._drop_lasting_aliases``)."""
-        return [_held_bytes(leaf, layouts.get(fx_name))
+        """The parts of ``name``'s gradient. One that crosses the block's boundary (its input's,
+        its outputs') counts the storage it holds, a bigger one where it is a slice (the chain's
+        figures cannot share a storage between blocks, see ``rkgb.build._drop_lasting_aliases``);
+        inside the block, such a slice is an alias of the gradient it is cut from."""
+        crossing = name == block.input_node or name in block.output_nodes
+        return [_held_bytes(leaf, layouts.get(fx_name) if crossing else None)
                 for (leaf, _), fx_name in zip(grad_leaves.get(name, []), grad_names.get(name, []))]
 
     input_bytes, input_requires_grad, input_grad_parts = 0, False, []
@@ -532,7 +531,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         make_leaves(input_node, names, [outer_env[n] for n in names])
         input_bytes = sum(o.size_bytes for o in input_node.outputs)
         input_requires_grad = bool(grad_leaves[input_node.name])
-        input_grad_parts = boundary_part_sizes(input_node.name)
+        input_grad_parts = part_sizes(input_node.name)
 
     results: list[NodeMeasure] = []
     with _PeakMeter(device) as meter:
@@ -577,8 +576,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             measure = NodeMeasure(
                 name=anonymous[name],
                 data_bytes=data_bytes,
-                grad_parts=(boundary_part_sizes(name) if name in block.output_nodes else part_sizes(name))
-                if requires_grad else [],
+                grad_parts=part_sizes(name) if requires_grad else [],
                 phantom_bytes=phantom_bytes if requires_grad else 0,
                 requires_grad=requires_grad,
                 forward_overhead_bytes=max(0, peak - data_bytes - phantom_bytes),

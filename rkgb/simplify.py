@@ -570,7 +570,7 @@ def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
     """
     outputs = set(graph.outputs) | set(graph.captured.user_outputs)
     line_holder = {line.name: node.name for node in graph.nodes for line in node.lines}
-    position = {line.name: i for i, line in enumerate(graph.captured.graph.nodes)}
+    position = _fx_positions(graph)
     for node in graph.nodes:
         for line in reversed(list(node.body)):
             if classify(line) is not OpKind.VIEW or line.name in outputs or not line.users:
@@ -611,7 +611,7 @@ def _group_views_of_results(graph: SimplifiedGraph) -> None:
     itself reads, or made before an in-place write of the result stay in the body.
     """
     outputs = set(graph.outputs) | set(graph.captured.user_outputs)
-    position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
+    position = _fx_positions(graph)
     holder = {line.name: node.name for node in graph.nodes for line in node.lines}
     for node in graph.nodes:
         own = {other.name for other in node.lines}
@@ -672,6 +672,11 @@ def _group_views_of_results(graph: SimplifiedGraph) -> None:
                           for user in base.users)
             if between:
                 graph.grouped_views[line.name] = base.name
+
+
+def _fx_positions(graph: SimplifiedGraph) -> dict[str, int]:
+    """The place of every fx node in the captured graph (eager's order of creation)."""
+    return {line.name: i for i, line in enumerate(graph.captured.graph.nodes)}
 
 
 def _first_reading(lines: list[torch.fx.Node], line: torch.fx.Node) -> int:
