@@ -213,10 +213,14 @@ def inspect_chain(
     # gives its own input: passes until none changes (one where the traced ones were right)
     measures: dict[int, BlockMeasure] = {}
     again = representatives
+    # the real layouts of the results, by fx name: found by the first pass, which runs every
+    # block up to the last representative; a later pass re-measures some blocks only, whose
+    # inputs are synthesized with these layouts (not the traced ones)
+    strides: dict[str, tuple[int, ...]] = {}
     for _ in range(len(chain.classes) + 1):
         received: dict[str, GradLayout] = {}
         measures.update(_inspect_blocks(graph, chain, model, sample, device, needs, clock, again,
-                                        last_use, saved_grads, layouts, received))
+                                        last_use, saved_grads, layouts, received, strides))
         corrected = {name: layout for name, layout in _received_layouts(graph, chain, received).items()
                      if layouts.get(name) != layout}
         if not corrected:
@@ -249,10 +253,10 @@ def _received_layouts(graph: SimplifiedGraph, chain: Chain,
 
 
 def _inspect_blocks(graph, chain, model, sample, device, needs, clock, representatives, last_use,
-                    saved_grads, layouts, received) -> dict[int, BlockMeasure]:
+                    saved_grads, layouts, received, strides) -> dict[int, BlockMeasure]:
     """One pass of :func:`inspect_chain` over the blocks with the given output ``layouts``;
     ``received`` gets the layouts of the gradients that each inspected block's backward gives
-    its input."""
+    its input; ``strides`` the real layouts of the results computed (kept across passes)."""
     measures: dict[int, BlockMeasure] = {}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -262,7 +266,6 @@ def _inspect_blocks(graph, chain, model, sample, device, needs, clock, represent
                 for value in as_input_tuple(sample)
             )
             env = initial_environment(graph, model, sample)
-            strides: dict[str, tuple[int, ...]] = {}  # real layouts of the results computed
             # the inputs' gradients are collected as the executor collects them
             queue = GradientQueue()
             input_sinks = {name: GradSink(env[name], queue) for name in graph.captured.inputs

@@ -119,5 +119,9 @@ GRID = dict(peak_steps=3, save_steps=3)
 @example(written([("reshape_softmax", [0]), ("square_plus", [0]), ("reshape_softmax", [2]), ("index_assign", [2, 3]),
                   ("mul", [4, 4]), ("add", [5, 5]), ("add", [4, 6]), ("add", [7, 4])], [5], dim=16,
                  dtype=torch.float64), 0.5)
+# a batch norm's CPU kernel returns another layout than its meta function: a block measured
+# again in a later inspection pass (a corrected gradient layout) gets its input with the real
+# one, so the next linear's contiguous copy of its input (kept for its backward) is counted
+@example(written([("batch_norm", [0]), ("linear", [1]), ("batch_norm", [2]), ("add", [0, 3])], [4]), 0.5)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
