@@ -629,7 +629,11 @@ class _Generator:
         if isinstance(op, Forget):
             self.forget(w, op.node)
         elif isinstance(op, Compute):
-            if self.contributions_waiting:
+            absorbed = op.node.startswith("bwd_") and self.target(op.node) in self.merged
+            # an absorbed backward runs no code (it ran in its reader's call): the contributions
+            # join at the next operation that runs, after the forgets between (the simulator's
+            # executed order, exec.merge.executed_order)
+            if self.contributions_waiting and not absorbed:
                 w("flush_gradients()  # the contributions of the last backward join their gradients")
                 self.contributions_waiting = False
             if op.node == "loss":

@@ -398,10 +398,34 @@ class GradLayout(NamedTuple):
 
     stride: tuple[int, ...]
     storage_bytes: int
+    # the fraction of that storage this gradient counts: a node's gradients that are slices of
+    # one storage (the pieces of a `chunk` read by a `cat`, whose backward slices its gradient)
+    # count it once between them, each by its own bytes (:func:`node_layouts`)
+    share: float = 1.0
 
     @classmethod
     def of(cls, grad: torch.Tensor) -> "GradLayout":
         return cls(tuple(grad.stride()), int(grad.untyped_storage().nbytes()))
+
+
+def node_layouts(parts: list[tuple[str, torch.Tensor]]) -> dict[str, GradLayout]:
+    """The layouts of the gradients of one node's exported tensors (fx name, gradient): those
+    that are slices of one bigger storage share it (:attr:`GradLayout.share`). Real or fake
+    tensors: a storage is told by its identity."""
+    own = {name: grad.numel() * grad.element_size() for name, grad in parts}
+    slices: dict[int, list[str]] = {}
+    for name, grad in parts:
+        storage = grad.untyped_storage()
+        if storage.nbytes() > own[name]:
+            slices.setdefault(storage._cdata, []).append(name)
+    layouts = {}
+    for name, grad in parts:
+        layout = GradLayout.of(grad)
+        sharing = slices.get(grad.untyped_storage()._cdata, [])
+        if len(sharing) > 1:
+            layout = layout._replace(share=own[name] / sum(own[m] for m in sharing))
+        layouts[name] = layout
+    return layouts
 
 
 def _output_gradient(leaf: torch.Tensor, layout: GradLayout | None) -> torch.Tensor:
@@ -417,7 +441,7 @@ def _output_gradient(leaf: torch.Tensor, layout: GradLayout | None) -> torch.Ten
 def _held_bytes(leaf: torch.Tensor, layout: GradLayout | None) -> int:
     """The bytes that ``leaf``'s gradient holds: its own, or the bigger storage it is a slice of."""
     own = leaf.numel() * leaf.element_size()
-    return own if layout is None else max(own, layout.storage_bytes)
+    return own if layout is None else max(own, round(layout.storage_bytes * layout.share))
 
 
 def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, GradLayout] | None:
@@ -436,7 +460,7 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    record: dict[str, GradLayout] = {}
+    grads: dict[str, torch.Tensor] = {}  # fake gradients, kept to the end: storages told apart
     try:
         env = initial_environment(graph, model, sample)
         mode = FakeTensorMode()
@@ -457,7 +481,7 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
                 for name in graph.exported(node):
                     value = fake[name]
                     if isinstance(value, torch.Tensor) and value.requires_grad:
-                        value.register_hook(lambda g, name=name: record.__setitem__(name, GradLayout.of(g)))
+                        value.register_hook(lambda g, name=name: grads.__setitem__(name, g))
             outputs = [fake[n] for n in graph.outputs]
             outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
             if outputs:
@@ -465,6 +489,9 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
                 # it, cross-entropy's): a transposed output's backward gets a contiguous one
                 ones = [torch.ones(o.shape, dtype=o.dtype, device=o.device) for o in outputs]
                 torch.autograd.backward(outputs, ones)
+            record: dict[str, GradLayout] = {}
+            for node in graph.nodes:
+                record.update(node_layouts([(n, grads[n]) for n in graph.exported(node) if n in grads]))
     except Exception:  # noqa: BLE001 - an op without a meta function: layouts are not known
         return None
     return record
@@ -528,6 +555,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 for (leaf, _), fx_name in zip(grad_leaves.get(name, []), grad_names.get(name, []))]
 
     input_bytes, input_requires_grad, input_grad_parts = 0, False, []
+    grad_parts_of: dict[str, list[int]] = {}  # the gradient parts of each node, as measured so far
     if block.input_node is not None:
         input_node = graph.node(block.input_node)
         names = graph.exported(input_node)
@@ -535,6 +563,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         input_bytes = sum(o.size_bytes for o in input_node.outputs)
         input_requires_grad = bool(grad_leaves[input_node.name])
         input_grad_parts = part_sizes(input_node.name)
+        grad_parts_of[input_node.name] = input_grad_parts
 
     results: list[NodeMeasure] = []
     with _PeakMeter(device) as meter:
@@ -589,6 +618,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 is_random=node.is_random,
             )
             results.append(measure)
+            grad_parts_of[name] = measure.grad_parts
 
         # the loss: gradients of the block's outputs
         for name in block.output_nodes:
@@ -640,13 +670,18 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 peak = 0
             added = 0
             for d in targets:
-                sizes = part_sizes(d)
+                sizes = grad_parts_of[d]
                 contributed, sources, shared = [], [], []
                 for i, (leaf, sink) in enumerate(grad_leaves[d]):
                     source = -1
                     count = sink.calls - calls[d][i]  # several: a node reading the part twice
                     if count == 1:  # one contribution: the incoming gradient?
                         source = incoming.get(sink.last_key, -1)
+                    if count == 1 and source < 0 and sink.last_bytes > sizes[i]:
+                        # a slice of a bigger tensor made inside this backward (the gradient of
+                        # a `cat` of several nodes' results): it holds all of it, as eager's
+                        # buffer does; counted so (over-counts where the other slices go first)
+                        sizes[i] = sink.last_bytes
                     if count and calls[d][i] == 0 and sink.first_shared:
                         shared.append(i)
                     for _ in range(count):
@@ -667,9 +702,10 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             islands[name] = []
             saved.free_phantoms(name)
     if received is not None and block.input_node is not None:
-        for (leaf, _), fx_name in zip(grad_leaves.get(block.input_node, []), grad_names.get(block.input_node, [])):
-            if leaf.grad is not None:
-                received[fx_name] = GradLayout.of(leaf.grad)
+        received.update(node_layouts([
+            (fx_name, leaf.grad)
+            for (leaf, _), fx_name in zip(grad_leaves.get(block.input_node, []), grad_names.get(block.input_node, []))
+            if leaf.grad is not None]))
     return BlockMeasure(
         class_index=class_index,
         nodes=results,

@@ -123,5 +123,18 @@ GRID = dict(peak_steps=3, save_steps=3)
 # again in a later inspection pass (a corrected gradient layout) gets its input with the real
 # one, so the next linear's contiguous copy of its input (kept for its backward) is counted
 @example(written([("batch_norm", [0]), ("linear", [1]), ("batch_norm", [2]), ("add", [0, 3])], [4]), 0.5)
+# a `cat` of two nodes' results: its backward hands each a slice of one gradient made inside
+# the island; a slice kept as a node's gradient holds the whole of it, and is counted so
+@example(written([("gelu", [0]), ("chunk_mul", [0]), ("chunk_mul", [2])], [1, 3], batch=2, seq=4, dim=16,
+                 dtype=torch.float64, input_requires_grad=True, seed=6263), 0.8)
+# a backward merged into its reader's island (exec/merge.py): the contributions of the merged
+# call join their gradients after the forgets that follow it, as the simulator replays it
+@example(written([("batch_norm", [0]), ("identity_view", [1]), ("attention", [2, 2]), ("batch_norm", [3]),
+                  ("linear_frozen", [4]), ("cat_linear", [3, 5]), ("linear_frozen", [6]), ("batch_norm_unused", [7])],
+                 [0, 4], batch=2, seq=6, dim=16, dtype=torch.float64, input_requires_grad=True), 1.0)
+# a node's pieces read by a `cat` each (across blocks): their gradients are slices of the cat's
+# gradient and count that storage once between them, not once each
+@example(written([("mul", [0, 0]), ("chunk_mul", [1]), ("split_swap", [1])], [2, 3], seq=6, dim=16,
+                 input_requires_grad=True), 1.0)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
