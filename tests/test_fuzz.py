@@ -138,3 +138,29 @@ GRID = dict(peak_steps=3, save_steps=3)
                  input_requires_grad=True), 1.0)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
+
+
+# Known failures (README: Known limits), shrunk from `benchmarks/fuzz.py --seed 11`: each fails
+# the same way before the session that found it. A fix makes its test pass: then move it up as
+# a regression example. (a) fails by IEEE semantics alone (a sum with a +0.0 of a missing
+# piece turns eager's -0.0 into +0.0): strict. (b) and (c) are accumulation orders, whose
+# rounding depends on the values.
+KNOWN_FAILURES = [
+    pytest.param(written([("chunk_mul", [0]), ("relu", [1])], [2], batch=2, seq=6, dim=8, input_requires_grad=True,
+                         seed=11663), 1.0,
+                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="a view group sums whole-input gradients, not pieces"),
+                 id="chunk-pieces-signed-zero"),
+    pytest.param(written([("identity_view", [0]), ("cat_linear", [0, 0])], [1, 2], batch=3, seq=6, dim=8,
+                         dtype=torch.float64, input_requires_grad=True, seed=23634), 0.3,
+                 marks=pytest.mark.xfail(strict=False, raises=AssertionError, reason="input gradient accumulation order at the minimum"),
+                 id="returned-view-and-cat-of-input"),
+    pytest.param(written([("cat_linear", [0, 0]), ("linear", [1]), ("split_swap", [1]), ("attention", [3, 2])], [1, 4],
+                         batch=3, seq=6, dim=8, dtype=torch.float64, input_requires_grad=True, seed=2712), 0.5,
+                 marks=pytest.mark.xfail(strict=False, raises=AssertionError, reason="weight gradient accumulation order"),
+                 id="cat-of-input-split-attention"),
+]
+
+
+@pytest.mark.parametrize("program,fraction", KNOWN_FAILURES)
+def test_known_failures_of_the_fuzzer(program, fraction):
+    check_program(program, fraction, **GRID)
