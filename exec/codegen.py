@@ -199,6 +199,11 @@ class _Generator:
                             for view in graph.input_view_readers(name)}
         # and views of nodes' results made in each of their readers (rkgb.simplify)
         self.view_groups |= set(graph.grouped_views)
+        # and a view of an input that the user gets (made once, before the nodes): its
+        # gradient joins the input's where eager runs the view's backward, after those of the
+        # nodes made after it (rkgb.build.first_run_bytes counts its sum meanwhile)
+        self.view_groups |= {line.name for line in graph.global_views
+                             if line.name in graph.outputs and self._input_of_view(line) is not None}
         self.delivered_groups: set[str] = set()
 
     # -- expressions ---------------------------------------------------------------------
@@ -321,14 +326,14 @@ class _Generator:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
                     self.split_aliases.append(alias)
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), True, "
-                      f"{line.name!r})")
+                      f"{line.name!r}{_pieces_argument(line, node.lines)})")
                     sources.append(alias)
                 elif line.name in grouped and self.graph.grouped_views.get(line.name) == arg.name \
                         and arg.name in self.sink_names:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
                     self.split_aliases.append(alias)
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), False, "
-                      f"{line.name!r})")
+                      f"{line.name!r}{_pieces_argument(line, node.lines)})")
                     sources.append(alias)
                 elif arg.name in split:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
@@ -651,6 +656,30 @@ class _Generator:
                 self.backward(w, name)
         else:
             raise ScheduleError(f"unknown schedule operation {op!r}: expected Compute or Forget")
+
+
+def _pieces_argument(view: torch.fx.Node, lines) -> str:
+    """``, pieces=(dim, ((index, start, length), ...))`` for a grouped view that is a split
+    (``aten.split.Tensor``, ``aten.split_with_sizes``) of which ``lines`` read these pieces
+    (:meth:`rkgb.gradsink.GradientQueue.alias`); empty for any other view."""
+    if view.target not in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default):
+        return ""
+    value = view.args[0].meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return ""
+    dim = view.args[2] if len(view.args) > 2 else view.kwargs.get("dim", 0)
+    dim = dim % value.dim()
+    length = value.shape[dim]
+    if view.target is torch.ops.aten.split.Tensor:
+        size = view.args[1]
+        sizes = [min(size, length - start) for start in range(0, length, size)]
+    else:
+        sizes = list(view.args[1])
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    read = sorted({line.args[1] for line in lines if line.target is operator.getitem and line.args[0] is view})
+    if not read:
+        return ""
+    return f", pieces=({dim}, {tuple((i, starts[i], sizes[i]) for i in read)!r})"
 
 
 def generate(

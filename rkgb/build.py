@@ -235,6 +235,11 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
             returned[view] = graph.outputs.count(view) if len(captured_lines[view].all_input_nodes) == 1 else 0
             if len(view_readers) + returned[view] >= 2:
                 grouped[view] = view_readers
+        for line in graph.global_views:  # a view of the input that the user gets, made once
+            if line.name in graph.outputs and line.name not in returned and \
+                    [arg.name for arg in line.all_input_nodes] == [name] and len(tensor_args(line)) == 1:
+                returned[line.name] = graph.outputs.count(line.name)
+                grouped[line.name] = []
         direct: dict[str, int] = {}
         for reader in readers.get(name, ()):  # views of the input included (their owner is it)
             direct[reader] = _contributions(graph.node(reader), name, graph, set(grouped))

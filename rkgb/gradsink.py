@@ -93,6 +93,29 @@ def accumulate(old: torch.Tensor | None, grad: torch.Tensor, held_alone: bool) -
     return old + grad
 
 
+def add_pieces(total: torch.Tensor | None, summed: set[int], grad: torch.Tensor, pieces: tuple) -> torch.Tensor:
+    """Add the pieces of ``grad`` (a whole view's gradient from one island) that the island read
+    into ``total`` (the group's sum so far, None at first), as eager's split node sums them:
+    a piece's first contribution is taken as it is (copied), a later one added; the pieces
+    read by no island stay zeros. ``summed``: the pieces with a contribution so far (updated).
+    Returns the new sum (``grad`` itself for the first contribution; a copy where the sum is
+    held elsewhere)."""
+    dim, read = pieces
+    if total is None:
+        summed.update(index for index, _, _ in read)
+        return grad  # its other pieces are zeros: taken over by copy when a contribution comes
+    if not (total._use_count() == 1 and _addable_in_place(total)):
+        total = total.clone()
+    for index, start, length in read:
+        piece, contribution = total.narrow(dim, start, length), grad.narrow(dim, start, length)
+        if index in summed:
+            piece.add_(contribution)
+        else:
+            piece.copy_(contribution)
+            summed.add(index)
+    return total
+
+
 def _addable_in_place(gradient: torch.Tensor) -> bool:
     """Eager's buffer adds the next contribution into ``gradient`` in place only when no other
     tensor holds its storage and it is dense (not a slice of a bigger gradient)."""
@@ -119,7 +142,7 @@ def _deliver(sink: "weakref.ref[GradSink]", queue: "GradientQueue | None", grad_
         if queue is None:
             target(grad_outputs)
             return (None,)
-        queue.pending.append((None, target, grad, None))
+        queue.pending.append((None, target, grad, None, None))
     return (None,)
 
 
@@ -161,7 +184,7 @@ class GradientQueue:
         self.delivered: set[str] = set()
 
     def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int], is_global: bool = False,
-              group: str | None = None) -> torch.Tensor:
+              group: str | None = None, pieces: tuple | None = None) -> torch.Tensor:
         """A leaf sharing ``leaf``'s data whose gradient goes to ``sink`` at :meth:`flush`.
 
         ``is_global``: ``leaf`` is a model input, alive through the step: saved tensors keep the
@@ -169,7 +192,13 @@ class GradientQueue:
         of a model input made in the reading island (where eager makes one view for all its
         readers): eager sums the view's gradient in its own buffer and passes the sum on when
         the view's backward runs, so the contributions of a group are summed apart, in the
-        engine's order, and join the sink as one at :meth:`deliver` (or :meth:`close_groups`)."""
+        engine's order, and join the sink as one at :meth:`deliver` (or :meth:`close_groups`).
+        ``pieces``: the group's view is a split, of which the island reads these pieces,
+        ``(dim, ((index, start, length), ...))``: eager's split node sums each piece's
+        contributions apart (its buffer has one slot per piece) and fills the pieces that got
+        none with zeros; the island's gradient has zeros where it read no piece, which a sum
+        would add (a -0.0 of another island's piece would become +0.0), so only the pieces read
+        join the group's sum (:func:`add_pieces`)."""
         alias = leaf.detach().requires_grad_()
         pending = self.pending
         # the hook refers to the sink weakly: the sink's own node refers to this queue, which
@@ -181,7 +210,7 @@ class GradientQueue:
         def keep(grad_outputs):
             target = sink_ref()
             if grad_outputs[0] is not None and target is not None:
-                pending.append((rank, target, grad_outputs[0], group))
+                pending.append((rank, target, grad_outputs[0], group, pieces))
             return (None,)
 
         node = get_gradient_edge(alias).node
@@ -209,19 +238,25 @@ class GradientQueue:
         for entries in by_sink.values():
             if all(entry[0] is not None for entry in entries):
                 entries.sort(key=lambda entry: entry[0])
-            for _, sink, grad, group in entries:
+            for _, sink, grad, group, pieces in entries:
                 if group is None or group in self.delivered:
                     sink((grad,))
                     continue
                 key = (id(sink), group)
                 held = self.groups.pop(key, None)
-                if held is None:
+                if pieces is not None:
+                    total, summed = (None, set()) if held is None else (held[1], held[2])
+                    held = None
+                    total = add_pieces(total, summed, grad, pieces)
+                    self.groups[key] = (sink, total, summed)
+                elif held is None:
                     total = accumulate(None, grad, False)
+                    self.groups[key] = (sink, total, None)
                 else:
                     # in place into the sum so far when nothing else holds it, as eager's buffer
                     total, held = held[1], None
                     total = accumulate(total, grad, total._use_count() == 1)
-                self.groups[key] = (sink, total)
+                    self.groups[key] = (sink, total, None)
                 del total
 
     def deliver(self, group: str) -> None:
@@ -229,7 +264,7 @@ class GradientQueue:
         view has run its backward): the group's sum joins its sink."""
         self.delivered.add(group)
         for key in [key for key in self.groups if key[1] == group]:
-            sink, total = self.groups.pop(key)
+            sink, total, _ = self.groups.pop(key)
             sink((total,))
 
     def close_groups(self) -> None:
@@ -237,5 +272,5 @@ class GradientQueue:
         has a backward) join their sinks."""
         groups, self.groups = self.groups, {}
         self.delivered = set()
-        for sink, total in groups.values():
+        for sink, total, _ in groups.values():
             sink((total,))

@@ -136,24 +136,24 @@ GRID = dict(peak_steps=3, save_steps=3)
 # gradient and count that storage once between them, not once each
 @example(written([("mul", [0, 0]), ("chunk_mul", [1]), ("split_swap", [1])], [2, 3], seq=6, dim=16,
                  input_requires_grad=True), 1.0)
+# a split of the input read by two islands, one reading both pieces, one the first: the
+# group sums only the pieces each island read, as eager's split node does (a sum of whole
+# gradients added the +0.0 of the unread piece to a -0.0 of relu's zeros)
+@example(written([("chunk_mul", [0]), ("relu", [1])], [2], batch=2, seq=6, dim=8, input_requires_grad=True,
+                 seed=11663), 1.0)
+# a view of the input that the user gets, beside a `cat` of the input: its gradient joins the
+# input's after the cat's contributions, where eager runs the view's backward (a view group)
+@example(written([("identity_view", [0]), ("cat_linear", [0, 0])], [1, 2], batch=3, seq=6, dim=8, dtype=torch.float64,
+                 input_requires_grad=True, seed=23634), 0.3)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
 
 
 # Known failures (README: Known limits), shrunk from `benchmarks/fuzz.py --seed 11`: each fails
 # the same way before the session that found it. A fix makes its test pass: then move it up as
-# a regression example. (a) fails by IEEE semantics alone (a sum with a +0.0 of a missing
-# piece turns eager's -0.0 into +0.0): strict. (b) and (c) are accumulation orders, whose
-# rounding depends on the values.
+# a regression example. An accumulation order, whose rounding depends on the values: not
+# strict.
 KNOWN_FAILURES = [
-    pytest.param(written([("chunk_mul", [0]), ("relu", [1])], [2], batch=2, seq=6, dim=8, input_requires_grad=True,
-                         seed=11663), 1.0,
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason="a view group sums whole-input gradients, not pieces"),
-                 id="chunk-pieces-signed-zero"),
-    pytest.param(written([("identity_view", [0]), ("cat_linear", [0, 0])], [1, 2], batch=3, seq=6, dim=8,
-                         dtype=torch.float64, input_requires_grad=True, seed=23634), 0.3,
-                 marks=pytest.mark.xfail(strict=False, raises=AssertionError, reason="input gradient accumulation order at the minimum"),
-                 id="returned-view-and-cat-of-input"),
     pytest.param(written([("cat_linear", [0, 0]), ("linear", [1]), ("split_swap", [1]), ("attention", [3, 2])], [1, 4],
                          batch=3, seq=6, dim=8, dtype=torch.float64, input_requires_grad=True, seed=2712), 0.5,
                  marks=pytest.mark.xfail(strict=False, raises=AssertionError, reason="weight gradient accumulation order"),
