@@ -281,8 +281,9 @@ class _Generator:
     def _deliver_view_groups(self, w: _Writer, position: int) -> None:
         """Before the backward of a node made at ``position``: the view groups of views made
         after it join their inputs' gradients (eager runs a view's backward once every node
-        made after the view has run its own)."""
-        for view in sorted(self.view_groups):
+        made after the view has run its own), the latest view first (the engine runs the node
+        made last first). ``position`` -1: every group not delivered yet (the backward's end)."""
+        for view in sorted(self.view_groups, key=lambda name: -self.position[name]):
             if view not in self.delivered_groups and self.position[view] > position:
                 self.delivered_groups.add(view)
                 w(f"s.queue.deliver({view!r})")
@@ -615,6 +616,7 @@ class _Generator:
         if self.contributions_waiting:
             w("flush_gradients()")
         if self.view_groups:
+            self._deliver_view_groups(w, -1)
             w("s.queue.close_groups()")
         for name in shared:
             w(f"restore_grad({name}, s.stash_{name})")

@@ -573,12 +573,17 @@ def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
     position = _fx_positions(graph)
     for node in graph.nodes:
         for line in reversed(list(node.body)):
-            if classify(line) is not OpKind.VIEW or line.name in outputs or not line.users:
+            # (a piece of a split is a view too: the pieces go first, then the split they read)
+            piece = classify(line) is OpKind.GETITEM and isinstance(line.args[0], torch.fx.Node) \
+                and line.args[0].op == "call_function" and classify(line.args[0]) is OpKind.VIEW
+            if (classify(line) is not OpKind.VIEW and not piece) or line.name in outputs or not line.users:
                 continue
             later = node.body[node.body.index(line) + 1:]
             if any(classify(other) is OpKind.INPLACE for other in later):
                 continue
             readers = {line_holder.get(user.name) for user in line.users}
+            if piece:  # the split moves with its pieces: all of them read by that one node
+                readers |= {line_holder.get(user.name) for sibling in line.args[0].users for user in sibling.users}
             if len(readers) != 1 or None in readers or node.name in readers:
                 continue
             reader = graph.node(readers.pop())

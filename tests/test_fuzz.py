@@ -145,22 +145,16 @@ GRID = dict(peak_steps=3, save_steps=3)
 # input's after the cat's contributions, where eager runs the view's backward (a view group)
 @example(written([("identity_view", [0]), ("cat_linear", [0, 0])], [1, 2], batch=3, seq=6, dim=8, dtype=torch.float64,
                  input_requires_grad=True, seed=23634), 0.3)
+# two view groups of the input (a returned view, a transpose read by a node) and a direct read:
+# the groups still open at the backward's end join in the order eager's engine runs the views'
+# backwards (the view made last first)
+@example(written([("identity_view", [0]), ("transpose_tanh", [0]), ("cat_linear", [2, 0])], [1, 3], batch=3, seq=6,
+                 dim=8, dtype=torch.float64, input_requires_grad=True, seed=23634), 0.3)
+# a split of a node's result whose pieces one other node alone reads: made in that node, as
+# eager makes it, so that its contribution joins the result's gradient before those of the
+# nodes made before the split (eager's engine order), not after all of them
+@example(written([("cat_linear", [0, 0]), ("linear", [1]), ("split_swap", [1]), ("attention", [3, 2])], [1, 4],
+                 batch=3, seq=6, dim=8, dtype=torch.float64, input_requires_grad=True, seed=2712), 0.5)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
 
-
-# Known failures (README: Known limits), shrunk from `benchmarks/fuzz.py --seed 11`: each fails
-# the same way before the session that found it. A fix makes its test pass: then move it up as
-# a regression example. An accumulation order, whose rounding depends on the values: not
-# strict.
-KNOWN_FAILURES = [
-    pytest.param(written([("cat_linear", [0, 0]), ("linear", [1]), ("split_swap", [1]), ("attention", [3, 2])], [1, 4],
-                         batch=3, seq=6, dim=8, dtype=torch.float64, input_requires_grad=True, seed=2712), 0.5,
-                 marks=pytest.mark.xfail(strict=False, raises=AssertionError, reason="weight gradient accumulation order"),
-                 id="cat-of-input-split-attention"),
-]
-
-
-@pytest.mark.parametrize("program,fraction", KNOWN_FAILURES)
-def test_known_failures_of_the_fuzzer(program, fraction):
-    check_program(program, fraction, **GRID)
