@@ -666,17 +666,11 @@ def _pieces_argument(view: torch.fx.Node, lines) -> str:
     (:meth:`rkgb.gradsink.GradientQueue.alias`); empty for any other view."""
     if view.target not in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default):
         return ""
-    value = view.args[0].meta.get("val")
-    if not isinstance(value, torch.Tensor):
+    base, pieces = view.args[0].meta.get("val"), view.meta.get("val")
+    if not isinstance(base, torch.Tensor) or not isinstance(pieces, (list, tuple)):
         return ""
-    dim = view.args[2] if len(view.args) > 2 else view.kwargs.get("dim", 0)
-    dim = dim % value.dim()
-    length = value.shape[dim]
-    if view.target is torch.ops.aten.split.Tensor:
-        size = view.args[1]
-        sizes = [min(size, length - start) for start in range(0, length, size)]
-    else:
-        sizes = list(view.args[1])
+    dim = (view.args[2] if len(view.args) > 2 else view.kwargs.get("dim", 0)) % base.dim()
+    sizes = [int(piece.shape[dim]) for piece in pieces]  # the traced pieces' own sizes
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     read = sorted({line.args[1] for line in lines if line.target is operator.getitem and line.args[0] is view})
     if not read:

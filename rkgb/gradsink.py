@@ -177,7 +177,8 @@ class GradientQueue:
         self.fresh: list[tuple[torch.Tensor, object]] = []  # aliases of the island being built
         self.kept: list[object] = []  # the AccumulateGrad nodes of aliases of globals, until then
         # (sink, group) -> the sum so far of the group's contributions (see alias)
-        self.groups: dict[tuple[int, str], tuple[GradSink, torch.Tensor]] = {}
+        # (and, for a split's group, the pieces with a contribution so far: add_pieces)
+        self.groups: dict[tuple[int, str], tuple[GradSink, torch.Tensor, set[int] | None]] = {}
         # groups whose place in the backward is passed: a later contribution (from the backward
         # of the island that makes the view after its own result) joins its sink at once, in
         # the order of the reads
@@ -244,19 +245,17 @@ class GradientQueue:
                     continue
                 key = (id(sink), group)
                 held = self.groups.pop(key, None)
+                if held is None:
+                    total, summed = None, (set() if pieces is not None else None)
+                else:
+                    total, summed = held[1:]
+                held = None
                 if pieces is not None:
-                    total, summed = (None, set()) if held is None else (held[1], held[2])
-                    held = None
                     total = add_pieces(total, summed, grad, pieces)
-                    self.groups[key] = (sink, total, summed)
-                elif held is None:
-                    total = accumulate(None, grad, False)
-                    self.groups[key] = (sink, total, None)
                 else:
                     # in place into the sum so far when nothing else holds it, as eager's buffer
-                    total, held = held[1], None
-                    total = accumulate(total, grad, total._use_count() == 1)
-                    self.groups[key] = (sink, total, None)
+                    total = accumulate(total, grad, total is not None and total._use_count() == 1)
+                self.groups[key] = (sink, total, summed)
                 del total
 
     def deliver(self, group: str) -> None:
