@@ -9,10 +9,12 @@ eager's (the largest difference; Rockmate's are bitwise, as the tests check).
     .venv/bin/python benchmarks/bench_pareto.py                     # zoo GPT, ResNet, RNN
     .venv/bin/python benchmarks/bench_pareto.py --models gpt --preset bench --steps 9
 
-One intra-op thread, the flops cost model (deterministic plans). Budgets are fractions of
+One intra-op thread, the flops cost model (deterministic plans; ``--cost-model measured`` plans
+with the measured times, as users do). Budgets are fractions of
 eager's allocator peak; a solver whose minimum is above a budget prints "infeasible" there.
-Writes ``benchmarks/results/pareto.csv`` and ``docs/figures/pareto_<model>.png`` (step time
-against measured peak, one line per method).
+Writes ``benchmarks/results/pareto_<preset>_<model>.csv`` and ``docs/figures/pareto_<model>.png``
+(``pareto_<model>_<preset>.png`` for presets other than tiny; step time against measured peak, one
+line per method) as each model ends.
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def _step(module, sample):
 
 def _measure(modules: dict[str, torch.nn.Module], sample, steps: int) -> dict[str, tuple[int, float]]:
     """Allocator peak and median step time of each module, runs interleaved."""
+    for module in modules.values():  # warm-up: lazily made state (the loss's weights) is not measured
+        _step(module, sample)()
     peaks = {name: measure_allocator_peak(_step(m, sample)) for name, m in modules.items()}
     times: dict[str, list[float]] = {name: [] for name in modules}
     for _ in range(steps):
@@ -149,7 +153,18 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile's budgets")
+    parser.add_argument("--solvers", nargs="*", default=SOLVERS)
+    parser.add_argument("--cost-model", default="flops", choices=["flops", "measured"],
+                        help="the planners' costs: flops (deterministic plans) or measured times")
+    parser.add_argument("--fractions", nargs="*", type=float, default=FRACTIONS)
+    parser.add_argument("--plot", nargs="*", metavar="CSV", help="only plot these CSVs (written by this script) "
+                        "into one figure, --out")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "figures" / "pareto.png"))
+    parser.add_argument("--title", default="time against memory")
     args = parser.parse_args()
+    if args.plot:
+        plot_csv(args.plot, args.out, args.title)
+        return
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     rows: list[dict] = []
@@ -162,14 +177,6 @@ def main() -> None:
         if hasattr(model, "blocks"):
             reference["checkpoint every block"] = _CheckpointEveryBlock(copy.deepcopy(model))
             reference["checkpoint_sequential sqrt(n)"] = _SequentialSegments(copy.deepcopy(model))
-        if not args.no_compile:
-            for budget in (1.0, 0.5, 0.1):
-                try:
-                    reference[f"torch.compile budget {budget}"] = _compiled_with_budget(copy.deepcopy(model), budget)
-                    _step(reference[f"torch.compile budget {budget}"], sample)()
-                except Exception as error:  # reported: a rival that cannot run this model here
-                    reference.pop(f"torch.compile budget {budget}", None)
-                    print(f"  torch.compile budget {budget}: {type(error).__name__}: {str(error)[:100]}")
         measured = _measure(reference, sample, args.steps)
         eager_peak, eager_time = measured["eager"]
         print(f"\n{name}: eager peak {eager_peak} B, step {eager_time * 1e3:.2f} ms")
@@ -180,11 +187,11 @@ def main() -> None:
             rows.append(dict(model=name, method=label, budget="", peak=peak / eager_peak, time=seconds / eager_time,
                              predicted="", grad_difference=difference))
         print(f"  {'solver':14s} {'budget':>7s} {'peak (meas.)':>13s} {'time (meas.)':>13s} {'time (pred.)':>13s}")
-        for solver in SOLVERS:
-            for fraction in FRACTIONS:
+        for solver in args.solvers:
+            for fraction in args.fractions:
                 budget = int(eager_peak * fraction)
                 try:
-                    compiled = Rockmate(copy.deepcopy(model), sample, budget, solver=solver, cost_model="flops")
+                    compiled = Rockmate(copy.deepcopy(model), sample, budget, solver=solver, cost_model=args.cost_model)
                 except InfeasibleBudget:
                     print(f"  {solver:14s} {fraction:7.2f} {'infeasible':>13s}")
                     continue
@@ -199,20 +206,45 @@ def main() -> None:
                 predicted = plan.predicted_time / plan.baseline_time if plan.baseline_time else float("nan")
                 ratio = seconds / both["eager"][1]
                 print(f"  {solver:14s} {fraction:7.2f} {peak / eager_peak:13.3f} {ratio:12.3f}x {predicted:12.3f}x")
-                rows.append(dict(model=name, method=solver, budget=fraction, peak=peak / eager_peak, time=ratio,
+                rows.append(dict(model=name, method=solver if args.cost_model == "flops" else f"{solver} (measured costs)",
+                                 budget=fraction, peak=peak / eager_peak, time=ratio,
                                  predicted=predicted, grad_difference=0.0))
-        _plot(name, [r for r in rows if r["model"] == name])
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    with open(results / "pareto.csv", "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]) if rows else ["model"])
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"\nwritten: {results / 'pareto.csv'}")
+        if not args.no_compile:
+            # torch.compile last, each budget measured against eager in pairs (dynamo and its
+            # compiled graphs stay in the process: they are kept out of the other measurements)
+            for budget in (1.0, 0.5, 0.1):
+                label = f"torch.compile budget {budget}"
+                try:
+                    compiled = _compiled_with_budget(copy.deepcopy(model), budget)
+                    _step(compiled, sample)()
+                except Exception as error:  # reported: a rival that cannot run this model here
+                    print(f"  {label}: {type(error).__name__}: {str(error)[:100]}")
+                    continue
+                both = _measure({label: compiled, "eager": reference["eager"]}, sample, args.steps)
+                peak, seconds = both[label]
+                difference = _grad_difference(compiled, reference["eager"], sample)
+                print(f"  {label:32s} peak {peak / eager_peak:6.3f} of eager's, time {seconds / both['eager'][1]:6.3f}x, "
+                      f"gradients {difference:.2e} from eager's")
+                rows.append(dict(model=name, method=label, budget="", peak=peak / eager_peak,
+                                 time=seconds / both["eager"][1], predicted="", grad_difference=difference))
+        model_rows = [r for r in rows if r["model"] == name]
+        suffix = "" if args.cost_model == "flops" else "_measured"
+        stem = f"pareto_{name}" if args.preset == "tiny" else f"pareto_{name}_{args.preset}"
+        _plot(f"zoo {name} ({args.preset}, {args.cost_model} costs): time against memory",
+              ROOT / "docs" / "figures" / f"{stem}{suffix}.png", model_rows)
+        results = ROOT / "benchmarks" / "results"
+        results.mkdir(parents=True, exist_ok=True)
+        path = results / f"pareto_{args.preset}_{name}{suffix}.csv"
+        with open(path, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=list(model_rows[0]) if model_rows else ["model"])
+            writer.writeheader()
+            writer.writerows(model_rows)
+        print(f"\nwritten: {path}", flush=True)
 
 
-def _plot(name: str, rows: list[dict]) -> None:
-    """Step time against measured peak, one line per method (docs/figures/pareto_<name>.png)."""
+def _plot(title: str, path: Path, rows: list[dict], max_time: float = 2.0) -> None:
+    """Step time against measured peak, one line per method, written to ``path``. Points
+    slower than ``max_time`` x eager are listed under the plot instead of stretching it."""
     try:
         import matplotlib
 
@@ -220,21 +252,49 @@ def _plot(name: str, rows: list[dict]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    figure, axis = plt.subplots(figsize=(7, 4.5))
+    figure, axis = plt.subplots(figsize=(8, 5))
+    colors = plt.get_cmap("tab20").colors
     methods = dict.fromkeys(r["method"] for r in rows)
-    for method in methods:
-        points = sorted((r["peak"], r["time"]) for r in rows if r["method"] == method)
-        style = "o-" if len(points) > 1 else "s"
-        axis.plot([p for p, _ in points], [t for _, t in points], style, label=method)
-    axis.set_xlabel("measured peak / eager's")
-    axis.set_ylabel("step time / eager's")
-    axis.set_title(f"zoo {name}: time against memory")
-    axis.legend(fontsize=7)
-    figures = ROOT / "docs" / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
+    off_scale: dict[str, list[tuple[float, float]]] = {}
+    for i, method in enumerate(methods):
+        points = sorted((float(r["peak"]), float(r["time"])) for r in rows if r["method"] == method)
+        off_scale[method] = [(p, t) for p, t in points if t > max_time]
+        points = [(p, t) for p, t in points if t <= max_time]
+        if not points:
+            continue
+        solver = any(r["budget"] not in ("", None) for r in rows if r["method"] == method)
+        style = ("o-" if solver else "s") if len(points) > 1 or not solver else "o"
+        axis.plot([p for p, _ in points], [t for _, t in points], style, label=method, color=colors[i % len(colors)],
+                  linewidth=2.5 if method.startswith("rockmate") else 1.0, markersize=7 if solver else 9)
+    axis.set_xlabel("measured peak (allocator) / eager's")
+    axis.set_ylabel("measured step time / eager's")
+    far = [f"{m} at {min(p for p, _ in pts):.3f}-{max(p for p, _ in pts):.3f} of the peak, "
+           f"{min(t for _, t in pts):.2f}-{max(t for _, t in pts):.2f}x" for m, pts in off_scale.items() if pts]
+    axis.set_title(title + (f"\noff the scale: {'; '.join(far)}" if far else ""), fontsize=9)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, loc="upper right")
+    path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
-    figure.savefig(figures / f"pareto_{name}.png", dpi=110)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def plot_csv(paths: list[str], out: str, title: str) -> None:
+    """One plot of the rows of several CSVs written by this script (e.g. the flops and the
+    measured-costs runs of one model)."""
+    rows: list[dict] = []
+    for path in paths:
+        with open(path, newline="") as file:
+            rows += list(csv.DictReader(file))
+    seen = set()
+    unique = []  # a rival measured by each run: keep its first measurement
+    for r in rows:
+        key = (r["method"], r["budget"])
+        if r["budget"] == "" and key in seen:
+            continue
+        seen.add(key)
+        unique.append(r)
+    _plot(title, Path(out), unique)
 
 
 if __name__ == "__main__":

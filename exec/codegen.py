@@ -601,7 +601,7 @@ class _Generator:
             w.comment("parameters read by several nodes: eager adds the sum of their contributions")
             w.comment("to a .grad that holds values once; islands add them one by one (same order)")
             for name in shared:
-                w(f"s.stash_{name} = stash_grad({name})")
+                w(f"s.stash_{name} = stash_grad({name}, {self.graph.captured.parameters[name]!r})")
         w.comment("loss: the gradients of the outputs")
         if self.markers:
             w(f"with mark('{MARKER_PREFIX}{loss}'):")

@@ -72,7 +72,7 @@ def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Ten
         torch.autograd.backward(roots, root_grads)  # checks shapes: the user's gradients
 
 
-def _stash_grad(parameter: torch.Tensor) -> torch.Tensor | None:
+def _stash_grad(parameter: torch.Tensor, path: str = "") -> torch.Tensor | None:
     """Set aside a ``.grad`` that holds values (gradient accumulation over several steps).
 
     Eager PyTorch sums the gradient contributions of a parameter read by several nodes (tied
@@ -87,6 +87,21 @@ def _stash_grad(parameter: torch.Tensor) -> torch.Tensor | None:
         return None
     parameter.grad = None
     return grad
+
+
+def _refuse_accumulation(parameter: torch.Tensor, path: str = "") -> None:
+    """:func:`_stash_grad` for a plan built with ``grad_accumulation=False``, which does not
+    count the sum of a shared parameter's contributions: a ``.grad`` holding values is refused
+    (the step would go over the budget by the parameter's size) before anything runs."""
+    grad = parameter.grad
+    if grad is not None and bool(grad.any()):
+        raise RuntimeError(
+            f"Rockmate: parameter {path!r} is read by several nodes and its .grad holds values (gradient "
+            f"accumulation): eager sums this step's contributions apart before adding them, one more buffer of "
+            f"{parameter.untyped_storage().nbytes()} bytes, which this plan (built with grad_accumulation=False) "
+            f"does not count. Build with grad_accumulation=True (the default), or zero the gradients before each "
+            f"step (optimizer.zero_grad())")
+    return None
 
 
 def _restore_grad(parameter: torch.Tensor, stash: torch.Tensor | None) -> None:
@@ -238,6 +253,14 @@ class _ScheduleFunction(torch.autograd.Function):
         return tuple(grads)
 
 
+def _sums_counted(first_run_bytes) -> bool:
+    """Whether the plan counts the sums of shared parameters' contributions (a plan built with
+    ``grad_accumulation=True``, or a module without a plan's first-run memory)."""
+    if first_run_bytes is None:
+        return True
+    return any(entry.key.endswith(".grad.sum") for entries in first_run_bytes.values() for entry in entries)
+
+
 class _Runner:
     """Generated code for one pattern of ``requires_grad`` of inputs and parameters."""
 
@@ -273,7 +296,7 @@ class _Runner:
             "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,
             "grad_sink": GradSink,
-            "stash_grad": _stash_grad,
+            "stash_grad": _stash_grad if _sums_counted(module.first_run_bytes) else _refuse_accumulation,
             "restore_grad": _restore_grad,
             "mark": torch.profiler.record_function,
         }

@@ -171,11 +171,14 @@ def _nbytes(value) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, tuple[FirstRun, ...]]:
+def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
+                    grad_accumulation: bool = True) -> dict[str, tuple[FirstRun, ...]]:
     """What compute nodes allocate at their first run and the executor keeps to the end of the
     step (:class:`rkgb.cdgraph.ModelChain`): the generator state of a random node (on CPU; on
     CUDA the states are host memory), the gradient of a model input that requires grad, made
-    by the first backward (in the backward's order) of a node reading it."""
+    by the first backward (in the backward's order) of a node reading it, and with
+    ``grad_accumulation`` the sum of a shared parameter's contributions (key
+    ``<parameter>.grad.sum``)."""
     args = as_input_tuple(sample)
     result: dict[str, list[FirstRun]] = {}
     if device_of(model, args).type == "cpu":
@@ -218,6 +221,20 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[st
         for reader in view_readers:
             result.setdefault(cname(reader.name, ComputeKind.BACKWARD), []).append(group)
     readers = graph.readers()
+    # a parameter read by several nodes (tied weights, an unrolled RNN's weights): where its
+    # .grad holds values when the step starts (gradient accumulation), the executor builds the
+    # sum of the step's contributions apart and adds it to the old .grad at the end of the
+    # backward, as eager's engine sums them before accumulating (exec.runtime._stash_grad): one
+    # parameter-sized buffer from the first contribution on. Counted whether or not .grad will
+    # hold values (the plan cannot know): where it does not, the plan over-estimates by it.
+    # Without grad_accumulation, a step that finds values there is refused (exec.runtime)
+    for name, path in graph.captured.parameters.items() if grad_accumulation else ():
+        parameter = model.get_parameter(path)
+        if not parameter.requires_grad or len(readers.get(name, ())) < 2:
+            continue
+        total = FirstRun(f"{name}.grad.sum", parameter.untyped_storage().nbytes(), in_overhead=True)
+        for reader in readers[name]:
+            result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(total)
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
             continue
@@ -298,7 +315,8 @@ def _count_repeated_outputs(graph: CDGraph, simplified: SimplifiedGraph, last: B
     graph.validate()
 
 
-def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3) -> ModelGraphs:
+def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3,
+          grad_accumulation: bool = True) -> ModelGraphs:
     """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
 
     Args:
@@ -306,6 +324,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
         sample: a tensor or a tuple of positional inputs, on the device of the model.
         cost_model: ``"measured"`` (median of ``repeats`` timings) or ``"flops"``
             (deterministic, for tests).
+        grad_accumulation: count the sums of shared parameters' gradients that a step
+            accumulating into ``.grad`` makes (:func:`first_run_bytes`).
     """
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -330,7 +350,7 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
     model_chain = ModelChain(classes=classes, blocks=instances, held_bytes=held_bytes(simplified, model))
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}
-    model_chain.first_run_bytes = {name: entries for name, entries in first_run_bytes(simplified, model, sample).items()
+    model_chain.first_run_bytes = {name: entries for name, entries in first_run_bytes(simplified, model, sample, grad_accumulation).items()
                                    if name in computes}  # the backwards of nodes without grad do not run
     seconds["cdgraph"] = time.perf_counter() - clock
     return ModelGraphs(captured, simplified, chain, measures, model_chain, seconds)

@@ -334,7 +334,8 @@ class FirstRun:
     node, then joins as a new tensor). ``in_overhead``: results of the node's own operation,
     which its measured temporary memory holds at its peak (not counted twice while it runs).
     ``until``: freed when the compute node of that name starts (a view group's sum, added
-    into its base's gradient by then).
+    into its base's gradient by then). None of these: a buffer that the later runs of the
+    key's nodes add into in place (a shared parameter's sum of contributions).
     """
 
     key: str
@@ -382,13 +383,17 @@ class ModelChain:
     def first_run_reserve(self) -> int:
         """An upper bound of the first-run memory alive at any time: every key's bytes, plus
         the most that one compute node adds for a key that is there already (a replay's outer
-        state, or contributions waiting to join a gradient and the sum they make)."""
+        state, or contributions waiting to join a gradient and the sum they make; nothing for a
+        buffer added into in place, such as a shared parameter's sum)."""
         sizes = {entry.key: entry.bytes for entries in self.first_run_bytes.values() for entry in entries}
         extra = 0
         for entries in self.first_run_bytes.values():
             for entry in entries:
                 count = sum(other.key == entry.key for other in entries)
-                extra = max(extra, (count + 1) * entry.bytes if entry.accumulates else entry.bytes)
+                if entry.accumulates:
+                    extra = max(extra, (count + 1) * entry.bytes)
+                elif entry.only_if_rerun or entry.until_loss:
+                    extra = max(extra, entry.bytes)
         return sum(sizes.values()) + extra
 
     def block_graph(self, index: int) -> CDGraph:

@@ -40,15 +40,21 @@ class BuildOptions:
 
     ``cost_model``: ``"measured"`` (fastest of ``repeats`` timings on the model's device, after
     one untimed run) or ``"flops"`` (a deterministic model from FLOPs, bytes and random numbers
-    drawn, for reproducible plans).
+    drawn, for reproducible plans). ``grad_accumulation``: the plan counts, for each
+    parameter read by several nodes (tied weights, a recurrent cell's weights), the sum of the
+    step's contributions that is built apart when ``.grad`` holds values (gradient accumulation
+    over micro-batches, as eager's engine does): one parameter-sized buffer during the backward.
+    ``False`` leaves it out (a smaller budget where gradients are zeroed before every step); a
+    step that then finds values in such a ``.grad`` raises instead of going over the budget.
     """
 
     cost_model: str = "measured"
     repeats: int = 3
+    grad_accumulation: bool = True
 
 
 def _split_options(options: dict) -> tuple[BuildOptions, dict]:
-    build_keys = {"cost_model", "repeats"}
+    build_keys = {"cost_model", "repeats", "grad_accumulation"}
     build_options = BuildOptions(**{k: v for k, v in options.items() if k in build_keys})
     return build_options, {k: v for k, v in options.items() if k not in build_keys}
 
@@ -67,7 +73,8 @@ def _train_mode(model: nn.Module):
 
 def _build_graphs(model: nn.Module, sample, build_options: BuildOptions) -> ModelGraphs:
     with _train_mode(model):
-        return build(model, sample, cost_model=build_options.cost_model, repeats=build_options.repeats)
+        return build(model, sample, cost_model=build_options.cost_model, repeats=build_options.repeats,
+                     grad_accumulation=build_options.grad_accumulation)
 
 
 class Rockmate(nn.Module):
@@ -88,8 +95,8 @@ class Rockmate(nn.Module):
         budget: bytes (int) or a string such as ``"300MiB"`` or ``"1.5GB"``.
         solver: ``"rockmate"`` (default), ``"rotor"``, ``"checkmate"`` (whole graph, small
             models), ``"none"`` (no recomputation), or a solver object.
-        **options: ``cost_model`` and ``repeats`` for the graph builder; the rest go to the
-            solver (e.g. ``slots``, ``time_limit_s``).
+        **options: ``cost_model``, ``repeats`` and ``grad_accumulation`` for the graph builder
+            (:class:`BuildOptions`); the rest go to the solver (e.g. ``slots``, ``time_limit_s``).
 
     Attributes:
         plan: the :class:`solvers.schedule.Plan` (``budget``, ``predicted_peak``,

@@ -412,8 +412,9 @@ def simulate(
                     pass
                 elif entry.accumulates:  # a contribution that waits for the next compute node
                     waiting.append(entry.bytes)
-                else:  # the outer generator state, saved while a replay runs
-                    again += entry.bytes
+                elif entry.only_if_rerun or entry.until_loss:  # the outer generator state, saved
+                    again += entry.bytes  # while a replay runs (the buffers' values made again)
+                # else: a buffer the later runs add into in place (a parameter's sum)
             elif not entry.only_if_rerun or runs[node.name] > 1:
                 first_runs.add(entry.key)
                 kept += entry.bytes

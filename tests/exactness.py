@@ -163,6 +163,10 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
         compiled = Rockmate(model, sample, budget, solver=solver, **options)
     predicted = compiled.plan.predicted_peak
     assert predicted <= budget, (predicted, budget)
+    # the sums of shared parameters' contributions, which the plan counts for gradient
+    # accumulation (a .grad that holds values): these steps zero the gradients, nothing is summed
+    shared = sum({entry.key: entry.bytes for entries in compiled.plan.first_run_bytes.values()
+                  for entry in entries if entry.key.endswith(".grad.sum")}.values())
     params = list(model.parameters())
     expected = _train(reference, list(reference.parameters()), sample, loss, steps, 1)
     got = _train(compiled, params, sample, loss, steps, 1)
@@ -176,7 +180,7 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
         for i, (a, b) in enumerate(zip(in_e, in_g)):
             assert (a is None) == (b is None), f"step {step}: gradient of input {i}: {a} against {b}"
             assert a is None or bitwise_equal(a, b), f"step {step}: gradient of input {i} differs"
-        if not (peak <= budget + slack and (1 - tolerance) * predicted <= peak <= predicted + slack):
+        if not (peak <= budget + slack and (1 - tolerance) * (predicted - shared) <= peak <= predicted + slack):
             raise AssertionError(f"step {step}: allocator peak {peak} B against a predicted {predicted} B "
                                  f"(budget {budget} B): " + where_memory_differs(compiled, sample, loss))
         peaks.append(peak)

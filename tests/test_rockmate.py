@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from exactness import DotLoss, check_training, eager_peak
+from exactness import LOSS_BYTES, DotLoss, check_training, eager_peak
+from rkgb.memory import measure_allocator_peak
 from rockmate import InfeasibleBudget, Rockmate, min_budget, parse_budget
 from zoo import ZOO
 
@@ -60,7 +61,9 @@ def test_infeasible_budget_gives_the_minimum():
     error = info.value
     state = torch.get_rng_state().nbytes
     assert error.floor == 65664
-    assert error.floor / (minimum - 8 * state) == pytest.approx(1 / 1.068, abs=0.001)
+    # (and the sum of the tied embedding's contributions, for gradient accumulation)
+    tied = model.token_embedding.weight.untyped_storage().nbytes()
+    assert error.floor / (minimum - 8 * state - tied) == pytest.approx(1 / 1.068, abs=0.001)
     assert "the backward of aten." in error.floor_operation and "in module" in error.floor_operation
     assert "zoo.py" in error.floor_operation  # the user's source line, not torch's nn.Linear
     assert f"goes below {error.floor} bytes" in str(error) and error.floor_operation in str(error)
@@ -120,14 +123,48 @@ def test_gradient_accumulation_is_exact(name):
     model, sample = ZOO[name].build()
     reference = copy.deepcopy(model)
     with torch.no_grad():
-        loss = DotLoss(copy.deepcopy(model)(*sample))
-    compiled = Rockmate(model, sample, int(0.5 * eager_peak(model, sample, loss)), cost_model="flops")
+        probe = copy.deepcopy(model)(*sample)
+    loss = DotLoss(probe)
+    budget = int(0.5 * eager_peak(model, sample, loss))
+    try:
+        compiled = Rockmate(model, sample, budget, cost_model="flops")
+    except InfeasibleBudget as error:  # the RNN: its minimum is above half of eager's peak
+        budget = error.minimum
+        compiled = Rockmate(model, sample, budget, cost_model="flops")
+    # the sum of a shared parameter's contributions, built apart while .grad holds values
+    shared = {entry.key: entry.bytes for entries in compiled.plan.first_run_bytes.values() for entry in entries
+              if entry.key.endswith(".grad.sum")}
+    assert shared, "the plan counts the shared parameters' sums"
+    peaks = []
     for module in (reference, compiled):
         torch.manual_seed(0)
-        for _ in range(STEPS):
-            loss(module(*sample)).backward()
+        for step in range(STEPS):
+            peak = measure_allocator_peak(lambda: loss(module(*sample)).backward())
+            if module is compiled and step > 0:  # .grad holds values: the sums are built apart
+                peaks.append(peak)
     for (path, a), b in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), path
+    predicted = compiled.plan.predicted_peak
+    slack = LOSS_BYTES + loss.copies(probe)
+    assert peaks and all(0.97 * predicted <= peak <= min(predicted, budget) + slack for peak in peaks), \
+        (peaks, predicted, budget)
+
+
+def test_without_grad_accumulation_the_sums_are_not_counted_and_accumulating_is_refused():
+    """grad_accumulation=False: the plan leaves out the tied embedding's sum (a lower minimum);
+    a step whose shared parameter's .grad holds values is a clear error, zeroed ones train."""
+    model, sample = ZOO["gpt"].build()
+    with_sums = min_budget(model, sample, cost_model="flops")
+    without = min_budget(model, sample, cost_model="flops", grad_accumulation=False)
+    assert without < with_sums
+    compiled = Rockmate(model, sample, without, cost_model="flops", grad_accumulation=False)
+    loss = DotLoss(compiled(*sample).detach())
+    loss(compiled(*sample)).backward()  # .grad None: nothing to sum apart
+    with pytest.raises(RuntimeError, match="grad_accumulation=True .* zero the gradients"):
+        loss(compiled(*sample)).backward()
+    for p in model.parameters():
+        p.grad = None
+    loss(compiled(*sample)).backward()
 
 
 def test_transformers_gpt2_is_exact_and_under_budget():
