@@ -264,7 +264,8 @@ def _plot(title: str, path: Path, rows: list[dict], max_time: float = 2.0) -> No
             continue
         solver = any(r["budget"] not in ("", None) for r in rows if r["method"] == method)
         style = ("o-" if solver else "s") if len(points) > 1 or not solver else "o"
-        axis.plot([p for p, _ in points], [t for _, t in points], style, label=method, color=colors[i % len(colors)],
+        color = {"rockmate": "red", "rockmate (measured costs)": "black"}.get(method, colors[i % len(colors)])
+        axis.plot([p for p, _ in points], [t for _, t in points], style, label=method, color=color,
                   linewidth=2.5 if method.startswith("rockmate") else 1.0, markersize=7 if solver else 9)
     axis.set_xlabel("measured peak (allocator) / eager's")
     axis.set_ylabel("measured step time / eager's")
