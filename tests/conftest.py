@@ -54,7 +54,7 @@ try:  # hypothesis profiles of tests/test_fuzz.py: "ci" by default, --hypothesis
     _FUZZ = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True, derandomize=True,
                  database=None)
     # CI does not shrink: a failure's program is printed as drawn (shrinking one took > 5 min)
-    settings.register_profile("ci", max_examples=45, phases=[Phase.explicit, Phase.generate], **_FUZZ)
+    settings.register_profile("ci", max_examples=70, phases=[Phase.explicit, Phase.generate], **_FUZZ)
     settings.register_profile("long", max_examples=2000, **_FUZZ)
     settings.load_profile("ci")
 except ImportError:  # pragma: no cover - hypothesis is in the test extra
