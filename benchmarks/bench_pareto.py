@@ -103,15 +103,16 @@ class _Segments(torch.nn.Module):
         return checkpoint_sequential(self.blocks, self.segments, x, use_reentrant=False)
 
 
-def _compiled_with_budget(model: torch.nn.Module, budget: float) -> torch.nn.Module:
-    """``torch.compile`` (aot_eager) with the activation-memory budget (a fraction of the
-    saveable activations), PyTorch's own knapsack over what to save."""
+def _compiled_with_budget(model: torch.nn.Module, budget: float, backend: str = "aot_eager") -> torch.nn.Module:
+    """``torch.compile`` (``backend``: aot_eager, or inductor where a C++ compiler is there)
+    with the activation-memory budget (a fraction of the saveable activations), PyTorch's own
+    knapsack over what to save."""
     import torch._dynamo
     import torch._functorch.config as functorch_config
 
     torch._dynamo.reset()
     functorch_config.activation_memory_budget = budget
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend=backend)
     return compiled
 
 
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--no-compile", action="store_true", help="leave out torch.compile's budgets")
+    parser.add_argument("--compile-backend", default="aot_eager", help="torch.compile's backend (aot_eager, inductor)")
     parser.add_argument("--solvers", nargs="*", default=SOLVERS)
     parser.add_argument("--cost-model", default="flops", choices=["flops", "measured"],
                         help="the planners' costs: flops (deterministic plans) or measured times")
@@ -213,9 +215,10 @@ def main() -> None:
             # torch.compile last, each budget measured against eager in pairs (dynamo and its
             # compiled graphs stay in the process: they are kept out of the other measurements)
             for budget in (1.0, 0.5, 0.1):
-                label = f"torch.compile budget {budget}"
+                label = f"torch.compile budget {budget}" + ("" if args.compile_backend == "aot_eager"
+                                                             else f" ({args.compile_backend})")
                 try:
-                    compiled = _compiled_with_budget(copy.deepcopy(model), budget)
+                    compiled = _compiled_with_budget(copy.deepcopy(model), budget, args.compile_backend)
                     _step(compiled, sample)()
                 except Exception as error:  # reported: a rival that cannot run this model here
                     print(f"  {label}: {type(error).__name__}: {str(error)[:100]}")
