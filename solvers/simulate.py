@@ -444,6 +444,13 @@ def simulate(
             if phantoms is not None:
                 consumed.add(phantoms)
     flushed = _flush(storages, kept, waiting)
+    # the sum of an input's view group still open when the backward ends (rkgb.build's key
+    # "<input>.grad.views") joins the input's gradient then: a new tensor where that gradient
+    # exists already (exec.codegen's last group delivery, rkgb.gradsink.accumulate)
+    sizes = {entry.key: entry.bytes for entries in (first_run_bytes or {}).values() for entry in entries}
+    joins = [sizes[key] for key in first_runs if key.endswith(".grad.views") and key[:-len(".views")] in first_runs]
+    if joins:
+        flushed = max(flushed, storages.memory + kept + max(joins))
     if flushed > peak:
         peak, peak_index = flushed, len(ops) - 1
     if after_loss:
