@@ -266,7 +266,7 @@ def _plot(title: str, path: Path, rows: list[dict], max_time: float = 2.0) -> No
         if not points:
             continue
         solver = any(r["budget"] not in ("", None) for r in rows if r["method"] == method)
-        style = ("o-" if solver else "s") if len(points) > 1 or not solver else "o"
+        style = ("o-" if len(points) > 1 else "o") if solver else "s"
         color = {"rockmate": "red", "rockmate (measured costs)": "black"}.get(method, colors[i % len(colors)])
         axis.plot([p for p, _ in points], [t for _, t in points], style, label=method, color=color,
                   linewidth=2.5 if method.startswith("rockmate") else 1.0, markersize=7 if solver else 9)

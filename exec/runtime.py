@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
+from rkgb.cdgraph import parameter_sums
 from rkgb.gradsink import GradientQueue, GradSink, accumulate
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
@@ -101,7 +102,6 @@ def _refuse_accumulation(parameter: torch.Tensor, path: str = "") -> None:
             f"{parameter.untyped_storage().nbytes()} bytes, which this plan (built with grad_accumulation=False) "
             f"does not count. Build with grad_accumulation=True (the default), or zero the gradients before each "
             f"step (optimizer.zero_grad())")
-    return None
 
 
 def _restore_grad(parameter: torch.Tensor, stash: torch.Tensor | None) -> None:
@@ -253,14 +253,6 @@ class _ScheduleFunction(torch.autograd.Function):
         return tuple(grads)
 
 
-def _sums_counted(first_run_bytes) -> bool:
-    """Whether the plan counts the sums of shared parameters' contributions (a plan built with
-    ``grad_accumulation=True``, or a module without a plan's first-run memory)."""
-    if first_run_bytes is None:
-        return True
-    return any(entry.key.endswith(".grad.sum") for entries in first_run_bytes.values() for entry in entries)
-
-
 class _Runner:
     """Generated code for one pattern of ``requires_grad`` of inputs and parameters."""
 
@@ -296,7 +288,10 @@ class _Runner:
             "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,
             "grad_sink": GradSink,
-            "stash_grad": _stash_grad if _sums_counted(module.first_run_bytes) else _refuse_accumulation,
+            # a plan that counts the shared parameters' sums (grad_accumulation=True), or a
+            # module without a plan's first-run memory, sums apart; another refuses to
+            "stash_grad": _stash_grad if module.first_run_bytes is None or parameter_sums(module.first_run_bytes)
+            else _refuse_accumulation,
             "restore_grad": _restore_grad,
             "mark": torch.profiler.record_function,
         }

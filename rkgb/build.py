@@ -13,6 +13,7 @@ from torch import nn
 from .blocks import INPUT_NAME, Block, Chain, cut_chain
 from .capture import CapturedGraph, as_input_tuple, capture, device_of
 from .cdgraph import BlockInstance, CDGraph, ComputeKind, ComputeNode, DataKind, DataNode, FirstRun, ModelChain
+from .cdgraph import input_grad_key, input_views_key, parameter_sum_key
 from .cdgraph import compute_name as cname
 from .cdgraph import data_name as dname
 from .inspect import BlockMeasure, gradient_layouts, inspect_chain
@@ -177,8 +178,8 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
     step (:class:`rkgb.cdgraph.ModelChain`): the generator state of a random node (on CPU; on
     CUDA the states are host memory), the gradient of a model input that requires grad, made
     by the first backward (in the backward's order) of a node reading it, and with
-    ``grad_accumulation`` the sum of a shared parameter's contributions (key
-    ``<parameter>.grad.sum``)."""
+    ``grad_accumulation`` the sum of a shared parameter's contributions
+    (:func:`rkgb.cdgraph.parameter_sum_key`)."""
     args = as_input_tuple(sample)
     result: dict[str, list[FirstRun]] = {}
     if device_of(model, args).type == "cpu":
@@ -232,14 +233,14 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
         parameter = model.get_parameter(path)
         if not parameter.requires_grad or len(readers.get(name, ())) < 2:
             continue
-        total = FirstRun(f"{name}.grad.sum", parameter.untyped_storage().nbytes(), in_overhead=True)
+        total = FirstRun(parameter_sum_key(name), parameter.untyped_storage().nbytes(), in_overhead=True)
         for reader in readers[name]:
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(total)
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
             continue
         size = value.numel() * value.element_size()
-        grad = FirstRun(f"{name}.grad", size, accumulates=True)
+        grad = FirstRun(input_grad_key(name), size, accumulates=True)
         # views of the input made in nodes' preludes, which several nodes (or the user) read:
         # the executor sums each one's gradient apart before it joins the input's (exec.codegen,
         # view groups), as eager's view buffer does; a view read by one node alone is counted
@@ -270,7 +271,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
         # the end of the step: one buffer for the input's views, as a group's sum joins the
         # input's gradient before the next group's first contribution)
         alone = len(grouped) == 1 and outputs == 0 and not any(direct.values())
-        key = grad if alone else FirstRun(f"{name}.grad.views", size, accumulates=True)
+        key = grad if alone else FirstRun(input_views_key(name), size, accumulates=True)
         for view, view_readers in grouped.items():
             result.setdefault("loss", []).extend([key] * returned[view])
             for reader in view_readers:

@@ -56,6 +56,11 @@ __all__ = [
     "CDGraph",
     "CDGraphError",
     "FirstRun",
+    "input_grad_key",
+    "input_views_key",
+    "parameter_sum_key",
+    "parameter_sums",
+    "views_key_input",
     "BlockInstance",
     "ModelChain",
     "data_name",
@@ -345,6 +350,38 @@ class FirstRun:
     accumulates: bool = False
     in_overhead: bool = False
     until: str | None = None
+
+
+# the keys of first-run gradients that other phases look up (rkgb.build makes them)
+_GRAD, _VIEWS, _SUM = ".grad", ".grad.views", ".grad.sum"
+
+
+def input_grad_key(name: str) -> str:
+    """The key of the gradient of model input ``name``."""
+    return name + _GRAD
+
+
+def input_views_key(name: str) -> str:
+    """The key of the sum of the gradients of views of input ``name`` that several readers
+    (or the user) get, before it joins the input's gradient (``input_grad_key``)."""
+    return name + _VIEWS
+
+
+def views_key_input(key: str) -> str | None:
+    """The input whose views' sum ``key`` is (:func:`input_views_key`), or None."""
+    return key[: -len(_VIEWS)] if key.endswith(_VIEWS) else None
+
+
+def parameter_sum_key(name: str) -> str:
+    """The key of the sum of a shared parameter's contributions, built apart when its
+    ``.grad`` holds values (gradient accumulation)."""
+    return name + _SUM
+
+
+def parameter_sums(first_run_bytes: dict[str, tuple[FirstRun, ...]] | None) -> dict[str, int]:
+    """The shared parameters' sums among ``first_run_bytes`` (key -> bytes)."""
+    return {entry.key: entry.bytes for entries in (first_run_bytes or {}).values() for entry in entries
+            if entry.key.endswith(_SUM)}
 
 
 @dataclass

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rkgb.cdgraph import CDGraph, ComputeKind, ComputeNode, DataKind, FirstRun, data_name
+from rkgb.cdgraph import CDGraph, ComputeKind, ComputeNode, DataKind, FirstRun, data_name, input_grad_key, views_key_input
 from solvers.schedule import Compute, Forget, Operation, Schedule
 
 __all__ = [
@@ -444,13 +444,14 @@ def simulate(
             if phantoms is not None:
                 consumed.add(phantoms)
     flushed = _flush(storages, kept, waiting)
-    # the sum of an input's view group still open when the backward ends (rkgb.build's key
-    # "<input>.grad.views") joins the input's gradient then: a new tensor where that gradient
-    # exists already (exec.codegen's last group delivery, rkgb.gradsink.accumulate)
-    sizes = {entry.key: entry.bytes for entries in (first_run_bytes or {}).values() for entry in entries}
-    joins = [sizes[key] for key in first_runs if key.endswith(".grad.views") and key[:-len(".views")] in first_runs]
-    if joins:
-        flushed = max(flushed, storages.memory + kept + max(joins))
+    # the sum of an input's view group still open when the backward ends (input_views_key)
+    # joins the input's gradient then: a new tensor where that gradient exists already
+    # (exec.codegen's last group delivery, rkgb.gradsink.accumulate)
+    joining = [key for key in first_runs if (name := views_key_input(key)) is not None
+               and input_grad_key(name) in first_runs]
+    if joining:
+        sizes = {entry.key: entry.bytes for entries in first_run_bytes.values() for entry in entries}
+        flushed = max(flushed, storages.memory + kept + max(sizes[key] for key in joining))
     if flushed > peak:
         peak, peak_index = flushed, len(ops) - 1
     if after_loss:

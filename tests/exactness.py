@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rkgb.cdgraph import parameter_sums
 from rkgb.memory import measure_allocator_peak
 
 __all__ = ["bitwise_equal", "DotLoss", "LOSS_BYTES", "CheckReport", "check_training", "eager_peak"]
@@ -165,8 +166,7 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
     assert predicted <= budget, (predicted, budget)
     # the sums of shared parameters' contributions, which the plan counts for gradient
     # accumulation (a .grad that holds values): these steps zero the gradients, nothing is summed
-    shared = sum({entry.key: entry.bytes for entries in compiled.plan.first_run_bytes.values()
-                  for entry in entries if entry.key.endswith(".grad.sum")}.values())
+    shared = sum(parameter_sums(compiled.plan.first_run_bytes).values())
     params = list(model.parameters())
     expected = _train(reference, list(reference.parameters()), sample, loss, steps, 1)
     got = _train(compiled, params, sample, loss, steps, 1)
