@@ -39,6 +39,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="file name of the failures' report under benchmarks/results "
+                        "(default fuzz_failures.txt; the programs are pickled beside it, .pkl)")
     parser.add_argument("--replay", help="a fuzz_failures.pkl: check those (program, fraction) pairs again")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -49,6 +51,15 @@ def main() -> None:
     ratios: list[float] = []
     worst: list = []  # the program whose plan without recomputation is highest above eager
     start = time.perf_counter()
+    results = ROOT / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    report = results / (args.out or "fuzz_failures.txt")
+
+    def save_failures() -> None:
+        """Write the failures so far (a long run's are not lost when it is stopped)."""
+        report.write_text("\n\n".join(failures) + ("\n" if failures else ""))
+        with open(report.with_suffix(".pkl"), "wb") as file:
+            pickle.dump(failing, file)
 
     @seed(args.seed)
     @settings(max_examples=args.cases, database=None, deadline=None, suppress_health_check=list(HealthCheck))
@@ -61,11 +72,14 @@ def main() -> None:
             failures.append(f"fraction {fraction}: {error}")
             failing.append((program, fraction))
             print(f"failure: fraction {fraction}: {str(error).splitlines()[0]}", flush=True)
+            save_failures()
             return
         except Exception:  # any other exception is a failure of the property too
             outcomes["failure"] += 1
             failures.append(f"fraction {fraction}: {traceback.format_exc()}\n{program.source()}")
             failing.append((program, fraction))
+            print(f"failure: fraction {fraction}: {traceback.format_exc().splitlines()[-1]}", flush=True)
+            save_failures()
             return
         outcomes[result.outcome] += 1
         if result.eager_peak:
@@ -90,12 +104,7 @@ def main() -> None:
         print(f"plan without recomputation / eager's allocator peak: median {ratios[len(ratios) // 2]:.3f}, "
               f"max {ratios[-1]:.3f}, at most 1 in {at_most} of {len(ratios)} cases; the highest:\n"
               f"{worst[0].source()}")
-    results = ROOT / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    report = results / "fuzz_failures.txt"
-    report.write_text("\n\n".join(failures) + ("\n" if failures else ""))
-    with open(results / "fuzz_failures.pkl", "wb") as file:
-        pickle.dump(failing, file)
+    save_failures()
     print(f"failures: {len(failures)} (written to {os.path.relpath(report)})")
 
 

@@ -205,6 +205,9 @@ class _Generator:
         self.view_groups |= {line.name for line in graph.global_views
                              if line.name in graph.outputs and self._input_of_view(line) is not None}
         self.delivered_groups: set[str] = set()
+        # exported views in a node's body whose gradient joins the result's where eager runs
+        # the view's backward: view -> the node (see _result_views_made_late)
+        self.late_result_views = _result_views_made_late(graph, infos, self.merged)
 
     # -- expressions ---------------------------------------------------------------------
     def bind(self, value: Any, hint: str) -> str:
@@ -283,10 +286,19 @@ class _Generator:
         after it join their inputs' gradients (eager runs a view's backward once every node
         made after the view has run its own), the latest view first (the engine runs the node
         made last first). ``position`` -1: every group not delivered yet (the backward's end)."""
-        for view in sorted(self.view_groups, key=lambda name: -self.position[name]):
+        for view in sorted(self.view_groups | set(self.late_result_views), key=lambda name: -self.position[name]):
             if view not in self.delivered_groups and self.position[view] > position:
                 self.delivered_groups.add(view)
-                w(f"s.queue.deliver({view!r})")
+                if view not in self.late_result_views:
+                    w(f"s.queue.deliver({view!r})")
+                    continue
+                # the view's gradient, summed in its own sink, through the view's backward
+                # (no allocation: a reshape, a transpose) into the result's gradient
+                base = self.late_result_views[view]
+                w(f"if s.{view}.grad is not None:")
+                w(f"    view_gradient(s.{self.island_names[view]}, s.{self.island_names[base]}, s.{view}.grad, "
+                  f"s.sink_{base})")
+                w(f"    s.{view}.grad = None")
 
     def split_reads(self, w: _Writer, node: SimplifiedNode) -> dict[str, list[str]]:
         """Aliases for the leaves an island reads more than once (see
@@ -658,6 +670,46 @@ class _Generator:
                 self.backward(w, name)
         else:
             raise ScheduleError(f"unknown schedule operation {op!r}: expected Compute or Forget")
+
+
+# views whose backward only re-views the gradient (no allocation, no arithmetic)
+_REVIEWING_VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze",
+                    "alias", "view_as", "_reshape_alias", "swapaxes", "movedim"}
+
+
+def _result_views_made_late(graph: SimplifiedGraph, infos: dict[str, "NodeInfo"],
+                            merged: dict[str, str]) -> dict[str, str]:
+    """Views of a node's result kept in its body and exported (the user gets them), made in
+    eager after another node that reads the result: view -> the result's fx name.
+
+    Eager sums a view's contributions in the view's buffer and adds the sum into the result's
+    gradient when the view's backward runs: before the backward of every node made before the
+    view (the engine runs the latest made first). The node's island would run the view's backward
+    with the node's own, after every reader of the result: ``h = lin(x); return h * h,
+    h.view(...)`` sums ``(g_mul0 + g_mul1) + g_view`` where eager sums ``(g_view + g_mul0) +
+    g_mul1``. The executor passes such a view's gradient through the view's backward alone
+    (``exec.runtime._view_gradient``) at the view's place in the backward. Only views whose
+    backward allocates nothing (a reshape, a transpose): the plan counts the view's gradient until
+    the node's backward, and it becomes the result's gradient's storage sooner."""
+    position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
+    holder = {line.name: node for node in graph.nodes for line in node.lines}
+    late: dict[str, str] = {}
+    for node in graph.nodes:
+        info = infos[node.name]
+        if node.name in merged or not info.exported_requires_grad.get(node.main.name):
+            continue
+        body = {line.name: line for line in node.body}
+        for out in info.exported:
+            line = body.get(out)
+            if line is None or not info.exported_requires_grad.get(out) or not line.args \
+                    or line.args[0] is not node.main or getattr(line.target, "__name__", "").split(".")[0] \
+                    not in _REVIEWING_VIEWS:
+                continue
+            early = any(holder.get(user.name) not in (None, node) and position[holder[user.name].main.name] < position[out]
+                        for user in node.main.users)
+            if early:
+                late[out] = node.main.name
+    return late
 
 
 def _pieces_argument(view: torch.fx.Node, lines) -> str:

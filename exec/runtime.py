@@ -62,6 +62,14 @@ def _backward_edges(edges: tuple, grads: tuple) -> None:
         _engine.run_backward(tuple(e for e, _ in pairs), tuple(g for _, g in pairs), False, False, (), True, True)
 
 
+def _view_gradient(view_edge, base_edge, grad: torch.Tensor, sink) -> None:
+    """Pass a view's gradient through the view's backward alone (stopping at the result it views)
+    into the result's gradient sink: where eager's engine runs the view's backward, before the
+    nodes made before the view (``exec.codegen._result_views_made_late``)."""
+    (base_grad,) = _engine.run_backward((view_edge,), (grad,), False, False, (base_edge,), True, False)
+    sink((base_grad,))
+
+
 def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """Backward from the tensors that require grad and received a gradient."""
     roots, root_grads = [], []
@@ -285,6 +293,7 @@ class _Runner:
             "run_backward": _run_backward,
             "backward_outputs": _backward_outputs,
             "backward_edges": _backward_edges,
+            "view_gradient": _view_gradient,
             "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,
             "grad_sink": GradSink,

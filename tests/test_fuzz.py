@@ -35,6 +35,13 @@ GRID = dict(peak_steps=3, save_steps=3)
 @seed(20261123)
 # programs that failed once (benchmarks/fuzz.py), run first
 @given(program=programs(), fraction=st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]))
+# a view of a result that the user gets, made after another reader of the result: eager adds the
+# view's gradient first (exec.codegen._result_views_made_late); also where the result's node is
+# merged with its producer (an in-place relu after a linear) and another node reads the view
+@example(written([("linear", [0]), ("mul", [1, 1]), ("identity_view", [1])], [2, 3], batch=2, seq=6, dim=8,
+                 dtype=torch.float64, input_requires_grad=True), 1.0)
+@example(written([("linear_relu_inplace", [0]), ("mul", [1, 1]), ("identity_view", [1]), ("conv1d", [3])],
+                 [1, 2, 3], batch=2, seq=6, dim=8, dtype=torch.float64, input_requires_grad=True), 1.0)
 # a transposed view of a linear's result read by a conv, the result itself by another op: the
 # view's gradient reaches the linear's first and the sum is transposed, as in eager
 @example(written([("conv1d", [0]), ("dropout", [1]), ("linear", [2]), ("copy_into", [3]), ("mean_scale", [4]),
