@@ -277,6 +277,42 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object],
     return restored
 
 
+def merge_regenerated_views(graph: torch.fx.Graph, targets: dict[str, object]) -> int:
+    """Make one node of identical views that functionalization made again from a written base.
+
+    After an in-place write (``out.mul_(x)``), functionalization replays the views of the
+    written tensor for each of their readers: ``left, right = out.split(4, -1)`` becomes one
+    ``split`` per piece. Eager has one split node, whose backward puts the pieces' gradients
+    side by side; two splits give two contributions padded with zeros, whose sum turns a -0.0
+    into +0.0. Views with the same target and arguments, none of whose origins (``targets``:
+    the export's nodes before functionalization, name -> target) is a view of that target,
+    become one. Returns how many were merged."""
+    seen: dict[tuple, torch.fx.Node] = {}
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        if not any(ret.alias_info is not None for ret in schema.returns) \
+                or any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments):
+            continue
+        origins = _origins(node)
+        if not origins or any(targets.get(name) is node.target for name in origins):
+            continue  # the user's own view (or of unknown origin)
+        try:
+            key = (node.target, repr(node.args), repr(node.kwargs), tuple(sorted(origins)))
+        except Exception:  # noqa: BLE001 - an argument without a stable repr: leave the node
+            continue
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            graph.erase_node(node)
+            merged += 1
+    if merged:
+        graph.lint()
+    return merged
+
+
 def _storage_key(value: torch.Tensor) -> object | None:
     try:
         return value.untyped_storage()._cdata
@@ -431,6 +467,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             warnings.simplefilter("ignore", FutureWarning)
             exported = torch.export.export(model, args, strict=False)
             inplace = user_inplace_ops(exported.graph)
+            targets = {node.name: node.target for node in exported.graph.nodes}
             exported = exported.run_decompositions({})
     except Exception as error:  # torch raises many types; we re-raise one with context
         reason = str(error).strip().splitlines()
@@ -446,6 +483,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     restore_inplace_writes(exported.graph, renamed)
     differentiable_copies(exported.graph, renamed)
     restore_inplace_ops(exported.graph, inplace, renamed)
+    merge_regenerated_views(exported.graph, targets)
     views_as_reshapes(exported.graph)
     signature = exported.graph_signature
     parameters: dict[str, str] = {}
