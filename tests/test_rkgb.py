@@ -209,3 +209,19 @@ def test_dropout_runs_eagers_kernels():
     assert restore_dropout(exported.graph, torch.device("cuda")) == dropouts
     targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.aten.dropout.default) == dropouts
+
+
+def test_residual_additions_run_in_place_as_in_eager():
+    """``out += identity`` on a batch norm's result (the zoo ResNet's blocks) is written in
+    place again after functionalization: a line of the batch norm's node, one activation less
+    than the functional ``add`` node; ``nn.ReLU(inplace=True)`` stays a node of its own (its
+    backward's new gradient would be held with the island's incoming one). Exactness and the
+    budget on this model are checked by test_rockmate and test_conv_budget."""
+    model, sample = ZOO["resnet"].build()
+    blocks = sum(1 for m in model.modules() if type(m).__name__ == "BasicBlock")
+    graph = simplify(capture(model, sample))
+    writes = [line for node in graph.nodes for line in node.body if line.target is torch.ops.aten.add_.Tensor]
+    assert len(writes) == blocks > 0
+    assert all(node.main.target is not torch.ops.aten.add.Tensor or node.main.args[1] == 1
+               for node in graph.nodes)  # (only the step counters' additions stay functional)
+    assert any(node.main.target is torch.ops.aten.relu.default for node in graph.nodes)
