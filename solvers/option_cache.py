@@ -120,7 +120,8 @@ class OptionCache:
 
     @staticmethod
     def _write(path: str, value) -> None:
-        """Write an entry atomically; a read-only or full disk leaves the cache in memory only."""
+        """Write an entry atomically; a read-only or full disk leaves the cache in memory only,
+        and an interrupt (Ctrl-C) while writing leaves no partial file behind."""
         temporary = f"{path}.{os.getpid()}.tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -128,6 +129,8 @@ class OptionCache:
                 pickle.dump(value, handle)
             os.replace(temporary, path)
         except OSError:
+            pass
+        finally:
             if os.path.exists(temporary):
                 os.remove(temporary)
 

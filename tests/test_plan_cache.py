@@ -101,3 +101,47 @@ def test_a_failing_ilp_backend_falls_back_to_another(monkeypatch):
     assert calls["failed"] == 3 and plan.feasible
     assert plan.predicted_peak <= budget
     assert abs(plan.predicted_time - expected.predicted_time) <= 0.02 * expected.predicted_time
+
+
+def test_an_interrupted_solve_leaves_the_cache_valid(tmp_path, monkeypatch):
+    """Ctrl-C during planning (in an ILP solve, or while an entry is written) reaches the user
+    as KeyboardInterrupt; nothing partial stays on disk, and the next build plans as if the
+    interrupted one had never run."""
+    import pickle
+
+    from solvers.checkmate_ilp import RkCheckmateILP
+
+    chain = _chain()
+    original = RkCheckmateILP.solve
+    calls = {"n": 0}
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(RkCheckmateILP, "solve", interrupted)
+    try:
+        registry.min_budget(chain, "rockmate", cache=OptionCache(directory=str(tmp_path)), **GRID)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interrupt did not reach the caller")
+    monkeypatch.setattr(RkCheckmateILP, "solve", original)
+    assert not list(tmp_path.glob("*.tmp"))
+    dumps = pickle.dump
+
+    def interrupted_dump(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pickle, "dump", interrupted_dump)
+    try:
+        registry.min_budget(chain, "rockmate", cache=OptionCache(directory=str(tmp_path)), **GRID)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(pickle, "dump", dumps)
+    assert not list(tmp_path.glob("*.tmp"))
+    fresh = OptionCache(directory=str(tmp_path))
+    expected = registry.min_budget(chain, "rockmate", cache=OptionCache(), **GRID)
+    assert registry.min_budget(chain, "rockmate", cache=fresh, **GRID) == expected
