@@ -340,14 +340,14 @@ class _Generator:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
                     self.split_aliases.append(alias)
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), True, "
-                      f"{line.name!r}{_pieces_argument(line, node.lines)})")
+                      f"{_group_argument(line, node.lines)})")
                     sources.append(alias)
                 elif line.name in grouped and self.graph.grouped_views.get(line.name) == arg.name \
                         and arg.name in self.sink_names:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
                     self.split_aliases.append(alias)
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), False, "
-                      f"{line.name!r}{_pieces_argument(line, node.lines)})")
+                      f"{_group_argument(line, node.lines)})")
                     sources.append(alias)
                 elif arg.name in split:
                     alias = f"{arg.name}_read{len(self.split_aliases)}"
@@ -716,6 +716,26 @@ def _result_views_made_late(graph: SimplifiedGraph, infos: dict[str, "NodeInfo"]
             if early:
                 late[out] = node.main.name
     return late
+
+
+def _group_argument(view: torch.fx.Node, lines) -> str:
+    """The group (and pieces) argument of ``use(...)`` for a read of grouped view ``view`` in the
+    island of ``lines``: the view's name, with the pieces it reads where it is a split. Where the
+    island only splits the view (of the same shape as its input: ``x.view(x.shape).chunk(2)``),
+    its reads form the group ``"<view>.pieces"``, summed piece by piece as eager's split node
+    sums them, which joins the view's own group (the user's gradient of a returned view) when it
+    is delivered (:meth:`rkgb.gradsink.GradientQueue.deliver`): eager adds the split's sum into
+    the view's buffer as one contribution."""
+    users = [line for line in lines if view in line.all_input_nodes]
+    base = view.args[0].meta.get("val") if view.args and isinstance(view.args[0], torch.fx.Node) else None
+    value = view.meta.get("val")
+    if view.target not in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default) \
+            and len(users) == 1 and isinstance(base, torch.Tensor) and isinstance(value, torch.Tensor) \
+            and tuple(base.shape) == tuple(value.shape):
+        pieces = _pieces_argument(users[0], lines)
+        if pieces:
+            return f"{view.name + '.pieces'!r}{pieces}"
+    return f"{view.name!r}{_pieces_argument(view, lines)}"
 
 
 def _pieces_argument(view: torch.fx.Node, lines) -> str:

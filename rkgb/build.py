@@ -276,9 +276,32 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
             result.setdefault("loss", []).extend([key] * returned[view])
             for reader in view_readers:
                 result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(key)
+            # readers that only split the view sum the pieces apart first (exec.codegen's
+            # "<view>.pieces" groups): one more buffer until it joins the view's sum
+            splitting = [reader for reader in view_readers if _only_splits(graph.node(reader), view)]
+            if splitting and (returned[view] or len(splitting) < len(view_readers)):
+                pieces = FirstRun(f"{input_views_key(name)}.pieces.{view}", size)
+                for reader in splitting:
+                    result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(pieces)
     result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
               for name, entries in result.items()}
     return {name: tuple(entries) for name, entries in result.items() if entries}
+
+
+def _only_splits(node, view: str) -> bool:
+    """Whether ``node`` reads grouped view ``view`` (made in its prelude, of its input's shape)
+    only through one split: its reads then form a split group (exec.codegen._group_argument)."""
+    lines = {line.name: line for line in node.lines}
+    line = lines.get(view)
+    if line is None:
+        return False
+    users = [other for other in node.lines if line in other.all_input_nodes]
+    base = line.args[0].meta.get("val") if line.args and isinstance(line.args[0], torch.fx.Node) else None
+    value = line.meta.get("val")
+    return (len(users) == 1 and users[0].target in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+            and line.target not in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+            and isinstance(base, torch.Tensor) and isinstance(value, torch.Tensor)
+            and tuple(base.shape) == tuple(value.shape))
 
 
 def _contributions(node, name: str, graph: SimplifiedGraph, grouped: set[str] = frozenset()) -> int:

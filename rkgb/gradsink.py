@@ -147,6 +147,10 @@ def _deliver(sink: "weakref.ref[GradSink]", queue: "GradientQueue | None", grad_
     return (None,)
 
 
+# the suffix of a split group inside a view's group (exec.codegen._group_argument)
+PIECES = ".pieces"
+
+
 class GradientQueue:
     """The gradient contributions of one backward that wait for their sinks, and the aliases
     that give each read of a leaf its own contribution.
@@ -263,13 +267,34 @@ class GradientQueue:
         """The backward reaches the place of eager's view ``group`` (every node made after the
         view has run its backward): the group's sum joins its sink."""
         self.delivered.add(group)
+        self.delivered.add(group + PIECES)
+        self._fold_pieces(lambda name: name == group + PIECES)
         for key in [key for key in self.groups if key[1] == group]:
             sink, total, _ = self.groups.pop(key)
             sink((total,))
 
+    def _fold_pieces(self, which) -> None:
+        """Add the sums of the split groups named by ``which`` (``"<view>.pieces"``) into their
+        views' groups (or their sinks, where the view's group is passed), as one contribution
+        after those already there: eager's split node passes its sum to the view's buffer."""
+        for key in [key for key in self.groups if which(key[1])]:
+            sink, total, _ = self.groups.pop(key)
+            view = key[1][: -len(PIECES)]
+            if view in self.delivered - {key[1]} and (id(sink), view) not in self.groups:
+                sink((total,))
+                continue
+            held = self.groups.pop((id(sink), view), None)
+            old = None if held is None else held[1]
+            held = None
+            total = accumulate(old, total, old is not None and old._use_count() == 2)
+            old = None
+            self.groups[(id(sink), view)] = (sink, total, None)
+            del total
+
     def close_groups(self) -> None:
         """The backward ends: the groups not delivered yet (views made before every node that
         has a backward) join their sinks."""
+        self._fold_pieces(lambda name: name.endswith(PIECES))
         groups, self.groups = self.groups, {}
         self.delivered = set()
         for sink, total, _ in groups.values():

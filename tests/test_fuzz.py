@@ -38,6 +38,10 @@ GRID = dict(peak_steps=3, save_steps=3)
 # a view of a result that the user gets, made after another reader of the result: eager adds the
 # view's gradient first (exec.codegen._result_views_made_late); also where the result's node is
 # merged with its producer (an in-place relu after a linear) and another node reads the view
+# a returned view of the input that readers split: eager sums the pieces in its split node, then
+# adds that sum to the user's gradient of the view (exec.codegen._group_argument, "<view>.pieces")
+@example(written([("identity_view", [0]), ("chunk_mul", [1])], [1, 2], batch=3, seq=6, dim=8, dtype=torch.float64,
+                 input_requires_grad=True), 0.3)
 # a split of a tensor written in place (functionalization makes one split per piece: merged again,
 # rkgb.capture.merge_regenerated_views; two splits summed a relu's -0.0 into +0.0)
 @example(written([("inplace_mul", [0, 0]), ("split_swap", [1]), ("copy_into", [2]), ("relu", [3])], [4], batch=3,
