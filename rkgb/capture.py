@@ -252,9 +252,8 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object],
     runs its backward in two engine calls (:func:`rkgb.gradsink.backward_through_write`), so
     that its incoming gradient is freed after the write's backward, as in eager (one call would
     hold it through the batch norm's backward: the bench ResNet's minimum budget 0.456 of
-    eager's peak instead of 0.399). Returns how many; ``renamed`` receives the old name -> new
-    name of each (its readers read the written tensor: the write is a line of the input's node,
-    as :func:`restore_inplace_writes` makes)."""
+    eager's peak instead of 0.399). Returns how many; ``renamed`` receives the old name -> new name of each (its readers read the written
+    tensor: the write is a line of the input's node, as :func:`restore_inplace_writes` makes)."""
     storages: dict[object, int] = {}
     for node in graph.nodes:
         value = node.meta.get("val")
