@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.fx
 
-from rkgb.gradsink import ends_in_unary_write
 from rkgb.interpret import tensor_args
 from rkgb.simplify import SimplifiedGraph, SimplifiedNode, gradient_needs
 from solvers.schedule import Compute, Forget, Schedule
@@ -491,12 +490,7 @@ class _Generator:
             self.has_graph.discard(name)
             return
         outs = [o for o in info.exported if info.exported_requires_grad[o]]
-        if len(outs) == 1 and name not in self.reads_raw and ends_in_unary_write(info.node.lines):
-            # the write's backward first, then the incoming gradient goes (rkgb.gradsink)
-            out = outs[0]
-            w(f"if s.{out}.grad is not None:")
-            w(f"    backward_through_write(s.{self.island_names[out]}, [take_grad(s.{out})])")
-        elif len(outs) == 1:
+        if len(outs) == 1:
             out = outs[0]
             w(f"if s.{out}.grad is not None:")
             w(f"    run_backward((s.{self.island_names[out]},), (s.{out}.grad,))")

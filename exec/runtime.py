@@ -20,7 +20,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
 from rkgb.cdgraph import parameter_sums
-from rkgb.gradsink import GradientQueue, GradSink, accumulate, backward_through_write
+from rkgb.gradsink import GradientQueue, GradSink, accumulate
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
 from solvers.schedule import Schedule
@@ -68,12 +68,6 @@ def _view_gradient(view_edge, base_edge, grad: torch.Tensor, sink) -> None:
     nodes made before the view (``exec.codegen._result_views_made_late``)."""
     (base_grad,) = _engine.run_backward((view_edge,), (grad,), False, False, (base_edge,), True, False)
     sink((base_grad,))
-
-
-def _take_grad(leaf: torch.Tensor) -> torch.Tensor:
-    """A leaf's gradient, which the leaf then lets go (the caller holds it alone)."""
-    grad, leaf.grad = leaf.grad, None
-    return grad
 
 
 def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -300,8 +294,6 @@ class _Runner:
             "backward_outputs": _backward_outputs,
             "backward_edges": _backward_edges,
             "view_gradient": _view_gradient,
-            "backward_through_write": backward_through_write,
-            "take_grad": _take_grad,
             "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,
             "grad_sink": GradSink,

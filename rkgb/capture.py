@@ -222,37 +222,25 @@ def _origins(node: torch.fx.Node) -> set[str]:
 _PASS_THROUGH_WRITES = {torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor}
 
 
-def _restorable(in_place) -> bool:
-    """A write whose backward passes the incoming gradient on as it is (``add_``, ``sub_``), or
-    one with no other tensor argument (``relu_``, ``mul_`` by a number): the island it ends
-    runs its backward in two engine calls (:func:`rkgb.gradsink.backward_through_write`)."""
-    if in_place is None:
-        return False
-    if in_place in _PASS_THROUGH_WRITES:
-        return True
-    tensors = [a for a in in_place._schema.arguments if isinstance(a.type, torch.TensorType)]
-    return len(tensors) == 1
-
-
 def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object],
                         renamed: dict[str, str] | None = None) -> int:
-    """Run in place again the elementwise ops that the user's code runs in place on an
-    intermediate result (``out += identity``, ``nn.ReLU(inplace=True)``; ``inplace`` from
-    :func:`user_inplace_ops`), which functionalization made out of place.
+    """Run in place again the additions that the user's code runs in place on an intermediate
+    result (``out += identity``; ``inplace`` from :func:`user_inplace_ops`), which
+    functionalization made out of place.
 
     The functional op allocates a second activation where eager writes into the first: more
-    memory (the input and the result alive at once) and, on CPU, fresh pages to fault in (the
-    bench ResNet's step without recomputation: 1.20-1.27x eager out of place, about 1.0-1.1x in
-    place). Restored where the functional op's input is an intermediate that nothing else reads
-    and that shares its storage with no other value (not a view, not a split's piece), with the
-    result's shape, dtype and layout: exactly eager's write, which eager's autograd accepted. The
-    write becomes a line of its input's node, so its backward runs in that node's island; only
-    writes whose backward passes the gradient on (``add_``, ``sub_``) or that read no other
-    tensor (``relu_``, ``mul_`` by a number) are restored: an island that ends in the latter
-    runs its backward in two engine calls (:func:`rkgb.gradsink.backward_through_write`), so
-    that its incoming gradient is freed after the write's backward, as in eager (one call would
-    hold it through the batch norm's backward: the bench ResNet's minimum budget 0.456 of
-    eager's peak instead of 0.399). Returns how many; ``renamed`` receives the old name -> new name of each (its readers read the written
+    memory (the input and the result alive at once) and, on CPU, fresh pages to fault in.
+    Restored where the functional op's input is an intermediate that nothing else reads and that
+    shares its storage with no other value (not a view, not a split's piece), with the result's
+    shape, dtype and layout: exactly eager's write, which eager's autograd accepted. The write
+    becomes a line of its input's node, so its backward runs in that node's island, whose
+    engine call holds the island's incoming gradient to its end: only writes whose backward
+    passes that gradient on as it is (``add_``, ``sub_``: no new tensor) are restored. An
+    ``nn.ReLU(inplace=True)`` after a batch norm stays out of place: its backward makes a new
+    gradient that the island would hold together with the incoming one and the batch norm's
+    (measured on the bench ResNet: the minimum budget 0.456 of eager's peak instead of 0.399,
+    for a step without recomputation 1.0x eager instead of 1.1x). Returns how
+    many; ``renamed`` receives the old name -> new name of each (its readers read the written
     tensor: the write is a line of the input's node, as :func:`restore_inplace_writes` makes)."""
     storages: dict[object, int] = {}
     for node in graph.nodes:
@@ -267,7 +255,7 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object],
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not node.args:
             continue
         in_place = _inplace_variant(node.target)
-        if not _restorable(in_place) or not any(inplace.get(name) is in_place for name in _origins(node)):
+        if in_place not in _PASS_THROUGH_WRITES or not any(inplace.get(name) is in_place for name in _origins(node)):
             continue
         x = node.args[0]
         if any(user.op == "output" for user in node.users):

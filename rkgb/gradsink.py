@@ -15,8 +15,7 @@ import weakref
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["GradSink", "GradientQueue", "accumulate", "ends_in_unary_write", "backward_through_write",
-           "backward_of_write", "backward_from"]
+__all__ = ["GradSink", "GradientQueue", "accumulate"]
 
 
 class GradSink:
@@ -120,10 +119,10 @@ def add_pieces(total: torch.Tensor | None, summed: set[int], grad: torch.Tensor,
 def _addable_in_place(gradient: torch.Tensor) -> bool:
     """Eager's buffer adds the next contribution into ``gradient`` in place only when no other
     tensor holds its storage and it is dense (not a slice of a bigger gradient)."""
-    return storage_held_alone(gradient) and _non_overlapping_and_dense(gradient)
+    return _storage_held_alone(gradient) and _non_overlapping_and_dense(gradient)
 
 
-def storage_held_alone(tensor: torch.Tensor) -> bool:
+def _storage_held_alone(tensor: torch.Tensor) -> bool:
     """No other tensor (a view) holds the storage (its count: this tensor and the wrapper)."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 2
 
@@ -299,56 +298,3 @@ class GradientQueue:
         self.delivered = set()
         for sink, total, _ in groups.values():
             sink((total,))
-
-
-def ends_in_unary_write(lines) -> bool:
-    """Whether an island's last line writes in place into its one tensor argument, a result of
-    the island (``out.relu_()`` after a batch norm, :func:`rkgb.capture.restore_inplace_ops`).
-
-    Such an island's backward starts with the write's backward, which makes a new gradient from
-    the incoming one; eager frees the incoming gradient then, while one engine call would hold it
-    (its caller passes it) through the rest of the island's backward:
-    :func:`backward_through_write` splits the call there."""
-    import torch.fx
-
-    if not lines:
-        return False
-    last = lines[-1]
-    schema = getattr(last.target, "_schema", None)
-    if schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
-            or not schema.arguments[0].alias_info.is_write:
-        return False
-    tensors = [a for a in list(last.args) + list(last.kwargs.values()) if isinstance(a, torch.fx.Node)]
-    return len(tensors) == 1 and tensors[0] in lines[:-1]
-
-
-def backward_through_write(edge, grad: list) -> None:
-    """The backward of an island ending in a unary in-place write (:func:`ends_in_unary_write`)
-    from its output's gradient edge: the write's backward first, to the edge of the tensor it
-    wrote (its node's one input), then the rest of the island from there. ``grad``: a list
-    holding the incoming gradient, which this function empties, so that the gradient is freed
-    between the two engine calls, as eager's engine frees a node's input buffer once the node has
-    run. The same operations in the same order as one call: the values are the same."""
-    first = backward_of_write(edge, grad)
-    if first is not None:
-        backward_from(*first)
-
-
-def backward_of_write(edge, grad: list):
-    """The first half of :func:`backward_through_write`: ``(edge before the write, its
-    gradient)``, or None where nothing before the write requires grad (then the whole backward
-    has run). Empties ``grad``."""
-    engine = torch.autograd.Variable._execution_engine
-    inner = edge.node.next_functions[0] if edge.node.next_functions else (None, 0)
-    if inner[0] is None:
-        engine.run_backward((edge,), (grad.pop(),), False, False, (), True, True)
-        return None
-    before = torch.autograd.graph.GradientEdge(*inner)
-    (written,) = engine.run_backward((edge,), (grad.pop(),), False, False, (before,), True, False)
-    return before, written
-
-
-def backward_from(edge, grad: torch.Tensor) -> None:
-    """The rest of the island's backward, from ``edge`` (the second half of
-    :func:`backward_through_write`)."""
-    torch.autograd.Variable._execution_engine.run_backward((edge,), (grad,), False, False, (), True, True)

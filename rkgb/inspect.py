@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -32,8 +31,7 @@ from .blocks import Block, Chain
 from .capture import as_input_tuple, device_of
 from .interpret import global_requires_grad, initial_environment, run_lines, tensor_args
 from .memory import measure_allocator_peak
-from .gradsink import GradientQueue, GradSink, backward_from, backward_of_write, ends_in_unary_write
-from .gradsink import storage_held_alone
+from .gradsink import GradientQueue, GradSink
 from .saved import SavedTensors, storage_key
 from .simplify import OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs
 
@@ -159,34 +157,6 @@ class _PeakMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return measure_allocator_peak(fn, device=self.device)
-
-
-def _measure_through_write(meter: _PeakMeter, edge, grads: list, leaves: list) -> int:
-    """The peak of an island's backward split at its last write
-    (:func:`rkgb.gradsink.backward_through_write`, as the executor runs it), above what was
-    allocated before: the write's backward, then the incoming gradient goes where nothing else
-    holds it, then the rest. Measured in two parts: the CPU allocator does not report the free of
-    a block allocated before the recording began (the incoming gradient)."""
-    import sys
-
-    for leaf in leaves:
-        leaf.grad = None
-    incoming = grads[0]
-    # held by ``grads``, ``incoming`` and getrefcount's argument alone, its storage by it alone
-    freed = _storage_bytes([incoming]) if sys.getrefcount(incoming) == 3 and storage_held_alone(incoming) else 0
-    incoming = None
-    result: dict[str, object] = {}
-    first = meter.measure(lambda: result.update(first=backward_of_write(edge, grads)))
-    rest = result.pop("first")
-    if rest is None:
-        return first
-    before, written = rest
-    rest = None
-    kept = _storage_bytes([written])
-    box = [written]
-    written = None
-    second = meter.measure(lambda: backward_from(before, box.pop()))
-    return max(first, kept - freed + second)
 
 
 def _storage_bytes(tensors) -> int:
@@ -688,11 +658,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 # as the executor: the engine runs, the incoming gradient and the phantoms go,
                 # then the contributions join the next gradients (the simulator's flush: not a
                 # temporary of this backward)
-                if len(outputs) == 1 and ends_in_unary_write(node.lines):
-                    peak = _measure_through_write(meter, get_gradient_edge(outputs[0]), box.pop("grads"),
-                                                  [leaf for leaf, _ in grad_leaves[name]])
-                else:
-                    peak = meter.measure(lambda: torch.autograd.backward(outputs, box.pop("grads")))
+                peak = meter.measure(lambda: torch.autograd.backward(outputs, box.pop("grads")))
                 for leaf in leaves[name]:
                     leaf.grad = None
                 saved.free_phantoms(name)
