@@ -177,13 +177,7 @@ def restore_inplace_writes(graph: torch.fx.Graph, renamed: dict[str, str] | None
                 write = graph.call_function(torch.ops.aten.copy_.default, (view, value))
                 write.meta["val"] = view.meta["val"]
                 rewritten |= {view, write}
-        node.replace_all_uses_with(base)
-        if renamed is not None:
-            for old, new in list(renamed.items()):
-                if new == node.name:
-                    renamed[old] = base.name
-            renamed[node.name] = base.name
-        graph.erase_node(node)
+        _replace_by_written(graph, node, base, renamed)
         if in_place is not None:
             graph.erase_node(value)
         restored += 1
@@ -273,14 +267,7 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object],
         write.meta = dict(node.meta)
         write.meta["val"] = before
         writes.add(write)
-        # later readers read the written tensor itself (restore_inplace_writes does the same)
-        node.replace_all_uses_with(x)
-        if renamed is not None:
-            for old, new in list(renamed.items()):
-                if new == node.name:
-                    renamed[old] = x.name
-            renamed[node.name] = x.name
-        graph.erase_node(node)
+        _replace_by_written(graph, node, x, renamed)
         restored += 1
     if restored:
         graph.lint()
@@ -309,10 +296,7 @@ def merge_regenerated_views(graph: torch.fx.Graph, targets: dict[str, object]) -
         origins = _origins(node)
         if not origins or any(targets.get(name) is node.target for name in origins):
             continue  # the user's own view (or of unknown origin)
-        try:
-            key = (node.target, repr(node.args), repr(node.kwargs), tuple(sorted(origins)))
-        except Exception:  # noqa: BLE001 - an argument without a stable repr: leave the node
-            continue
+        key = (node.target, repr(node.args), repr(node.kwargs), tuple(sorted(origins)))
         first = seen.setdefault(key, node)
         if first is not node:
             node.replace_all_uses_with(first)
@@ -328,6 +312,19 @@ def _storage_key(value: torch.Tensor) -> object | None:
         return value.untyped_storage()._cdata
     except (NotImplementedError, RuntimeError):
         return None
+
+
+def _replace_by_written(graph: torch.fx.Graph, node: torch.fx.Node, written: torch.fx.Node,
+                        renamed: dict[str, str] | None) -> None:
+    """Erase ``node`` (a functional write's result): its readers read the tensor the restored
+    in-place write writes into, and ``renamed`` follows (old name -> ``written``'s)."""
+    node.replace_all_uses_with(written)
+    if renamed is not None:
+        for old, new in list(renamed.items()):
+            if new == node.name:
+                renamed[old] = written.name
+        renamed[node.name] = written.name
+    graph.erase_node(node)
 
 
 def _fake_call(target, args):
