@@ -150,6 +150,18 @@ def _deliver(sink: "weakref.ref[GradSink]", queue: "GradientQueue | None", grad_
 PIECES = ".pieces"
 
 
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _no_memory(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One scalar per dtype and device, which released aliases view (expanded to their shape):
+    a new scalar per alias would be a few bytes per read per step that no plan counts."""
+    key = (dtype, device)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.zeros((), dtype=dtype, device=device)
+    return _EMPTY[key]
+
+
 class GradientQueue:
     """The gradient contributions of one backward that wait for their sinks, and the aliases
     that give each read of a leaf its own contribution.
@@ -229,7 +241,7 @@ class GradientQueue:
     def release(self) -> None:
         """The island's lines have run: its aliases keep their shapes but no memory."""
         for alias, _ in self.fresh:
-            alias.data = torch.empty((), dtype=alias.dtype, device=alias.device).expand(alias.shape)
+            alias.data = _no_memory(alias.dtype, alias.device).expand(alias.shape)
         self.fresh.clear()
         self.kept.clear()
 
