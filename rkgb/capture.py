@@ -216,7 +216,7 @@ def _origins(node: torch.fx.Node) -> set[str]:
 _PASS_THROUGH_WRITES = {torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor}
 
 
-def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object],
+def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varying: set[str],
                         renamed: dict[str, str] | None = None) -> int:
     """Run in place again the additions that the user's code runs in place on an intermediate
     result (``out += identity``; ``inplace`` from :func:`user_inplace_ops`), which
@@ -234,7 +234,9 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object],
     gradient that the island would hold together with the incoming one and the batch norm's
     (measured on the bench ResNet: the minimum budget 0.456 of eager's peak instead of 0.399,
     for a step without recomputation 1.0x eager instead of 1.1x). Returns how
-    many; ``renamed`` receives the old name -> new name of each (its readers read the written
+    many. Values computed from buffers alone (a step counter's ``count += 1`` twice) stay
+    functional: they are computed once per step, apart (``varying``: the placeholders of the
+    model's inputs and parameters; a restored value must depend on one). ``renamed`` receives the old name -> new name of each (its readers read the written
     tensor: the write is a line of the input's node, as :func:`restore_inplace_writes` makes)."""
     storages: dict[object, int] = {}
     for node in graph.nodes:
@@ -245,6 +247,10 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object],
                 storages[key] = storages.get(key, 0) + 1
     restored = 0
     writes: set[torch.fx.Node] = set()
+    depends: set[torch.fx.Node] = set()  # nodes computed from an input or a parameter
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name in varying) or any(a in depends for a in node.all_input_nodes):
+            depends.add(node)
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not node.args:
             continue
@@ -255,7 +261,8 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object],
         if any(user.op == "output" for user in node.users):
             continue  # a new buffer value or an output: written where the graph says (exec.codegen)
         # (x's earlier users may be writes restored here: out += identity, then out.relu_())
-        if not isinstance(x, torch.fx.Node) or x.op != "call_function" or set(x.users) - writes != {node}:
+        if not isinstance(x, torch.fx.Node) or x.op != "call_function" or set(x.users) - writes != {node} \
+                or x not in depends:
             continue
         before, after = x.meta.get("val"), node.meta.get("val")
         if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)) \
@@ -489,7 +496,10 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     restore_dropout(exported.graph, device_of(model, args), renamed)
     restore_inplace_writes(exported.graph, renamed)
     differentiable_copies(exported.graph, renamed)
-    restore_inplace_ops(exported.graph, inplace, renamed)
+    from torch.export.graph_signature import InputKind as _Kind
+    varying = {spec.arg.name for spec in exported.graph_signature.input_specs
+               if spec.kind in (_Kind.USER_INPUT, _Kind.PARAMETER)}
+    restore_inplace_ops(exported.graph, inplace, varying, renamed)
     merge_regenerated_views(exported.graph, targets)
     views_as_reshapes(exported.graph)
     signature = exported.graph_signature
