@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from rkgb.interpret import tensor_args
-from rkgb.simplify import SimplifiedGraph, SimplifiedNode, gradient_needs
+from rkgb.simplify import SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, split_of_view
 from solvers.schedule import Compute, Forget, Schedule
 
 __all__ = ["GeneratedCode", "MARKER_PREFIX", "ScheduleError", "NodeInfo", "node_infos", "generate"]
@@ -720,13 +720,9 @@ def _group_argument(view: torch.fx.Node, lines) -> str:
     sums them, which joins the view's own group (the user's gradient of a returned view) when it
     is delivered (:meth:`rkgb.gradsink.GradientQueue.deliver`): eager adds the split's sum into
     the view's buffer as one contribution."""
-    users = [line for line in lines if view in line.all_input_nodes]
-    base = view.args[0].meta.get("val") if view.args and isinstance(view.args[0], torch.fx.Node) else None
-    value = view.meta.get("val")
-    if view.target not in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default) \
-            and len(users) == 1 and isinstance(base, torch.Tensor) and isinstance(value, torch.Tensor) \
-            and tuple(base.shape) == tuple(value.shape):
-        pieces = _pieces_argument(users[0], lines)
+    split = split_of_view(view, lines)
+    if split is not None:
+        pieces = _pieces_argument(split, lines)
         if pieces:
             return f"{view.name + '.pieces'!r}{pieces}"
     return f"{view.name!r}{_pieces_argument(view, lines)}"
@@ -736,7 +732,7 @@ def _pieces_argument(view: torch.fx.Node, lines) -> str:
     """``, pieces=(dim, ((index, start, length), ...))`` for a grouped view that is a split
     (``aten.split.Tensor``, ``aten.split_with_sizes``) of which ``lines`` read these pieces
     (:meth:`rkgb.gradsink.GradientQueue.alias`); empty for any other view."""
-    if view.target not in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default):
+    if view.target not in SPLIT_TARGETS:
         return ""
     base, pieces = view.args[0].meta.get("val"), view.meta.get("val")
     if not isinstance(base, torch.Tensor) or not isinstance(pieces, (list, tuple)):

@@ -18,7 +18,7 @@ from .cdgraph import compute_name as cname
 from .cdgraph import data_name as dname
 from .inspect import BlockMeasure, gradient_layouts, inspect_chain
 from .interpret import global_requires_grad, tensor_args
-from .simplify import SimplifiedGraph, gradient_needs, simplify
+from .simplify import SimplifiedGraph, gradient_needs, simplify, split_of_view
 
 __all__ = ["ModelGraphs", "build", "cdgraph_of_class"]
 
@@ -289,19 +289,10 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
 
 
 def _only_splits(node, view: str) -> bool:
-    """Whether ``node`` reads grouped view ``view`` (made in its prelude, of its input's shape)
-    only through one split: its reads then form a split group (exec.codegen._group_argument)."""
-    lines = {line.name: line for line in node.lines}
-    line = lines.get(view)
-    if line is None:
-        return False
-    users = [other for other in node.lines if line in other.all_input_nodes]
-    base = line.args[0].meta.get("val") if line.args and isinstance(line.args[0], torch.fx.Node) else None
-    value = line.meta.get("val")
-    return (len(users) == 1 and users[0].target in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
-            and line.target not in (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
-            and isinstance(base, torch.Tensor) and isinstance(value, torch.Tensor)
-            and tuple(base.shape) == tuple(value.shape))
+    """Whether ``node`` reads grouped view ``view`` (made in its prelude) only through one split
+    (:func:`rkgb.simplify.split_of_view`): its reads then form a split group."""
+    line = next((line for line in node.lines if line.name == view), None)
+    return line is not None and split_of_view(line, node.lines) is not None
 
 
 def _contributions(node, name: str, graph: SimplifiedGraph, grouped: set[str] = frozenset()) -> int:

@@ -220,24 +220,18 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varyi
                         renamed: dict[str, str] | None = None) -> int:
     """Run in place again the additions that the user's code runs in place on an intermediate
     result (``out += identity``; ``inplace`` from :func:`user_inplace_ops`), which
-    functionalization made out of place.
+    functionalization made out of place: the functional op allocates a second activation where
+    eager writes into the first (more memory and, on CPU, fresh pages to fault in).
 
-    The functional op allocates a second activation where eager writes into the first: more
-    memory (the input and the result alive at once) and, on CPU, fresh pages to fault in.
-    Restored where the functional op's input is an intermediate that nothing else reads and that
-    shares its storage with no other value (not a view, not a split's piece), with the result's
-    shape, dtype and layout: exactly eager's write, which eager's autograd accepted. The write
-    becomes a line of its input's node, so its backward runs in that node's island, whose
-    engine call holds the island's incoming gradient to its end: only writes whose backward
-    passes that gradient on as it is (``add_``, ``sub_``: no new tensor) are restored. An
-    ``nn.ReLU(inplace=True)`` after a batch norm stays out of place: its backward makes a new
-    gradient that the island would hold together with the incoming one and the batch norm's
-    (measured on the bench ResNet: the minimum budget 0.456 of eager's peak instead of 0.399,
-    for a step without recomputation 1.0x eager instead of 1.1x). Returns how
-    many. Values computed from buffers alone (a step counter's ``count += 1`` twice) stay
-    functional: they are computed once per step, apart (``varying``: the placeholders of the
-    model's inputs and parameters; a restored value must depend on one). ``renamed`` receives the old name -> new name of each (its readers read the written
-    tensor: the write is a line of the input's node, as :func:`restore_inplace_writes` makes)."""
+    Restored where the op's input is an intermediate computed from an input or a parameter
+    (``varying``: their placeholders; a step counter's ``count += 1`` stays functional), that
+    nothing else reads and that shares its storage with no other value (not a view, not a
+    split's piece), with the result's shape, dtype and layout: exactly eager's write. The write
+    becomes a line of its input's node, whose island's engine call holds its incoming gradient
+    to its end: only writes whose backward passes that gradient on (``add_``, ``sub_``) are
+    restored; an ``nn.ReLU(inplace=True)`` stays out of place (README, Known limits). Returns
+    how many; ``renamed`` receives the old name -> new name of each (readers read the written
+    tensor, as :func:`restore_inplace_writes` makes them)."""
     storages: dict[object, int] = {}
     for node in graph.nodes:
         value = node.meta.get("val")
@@ -496,9 +490,8 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     restore_dropout(exported.graph, device_of(model, args), renamed)
     restore_inplace_writes(exported.graph, renamed)
     differentiable_copies(exported.graph, renamed)
-    from torch.export.graph_signature import InputKind as _Kind
     varying = {spec.arg.name for spec in exported.graph_signature.input_specs
-               if spec.kind in (_Kind.USER_INPUT, _Kind.PARAMETER)}
+               if spec.kind in (InputKind.USER_INPUT, InputKind.PARAMETER)}
     restore_inplace_ops(exported.graph, inplace, varying, renamed)
     merge_regenerated_views(exported.graph, targets)
     views_as_reshapes(exported.graph)

@@ -753,3 +753,21 @@ def _sink_free_nodes(graph: SimplifiedGraph) -> SimplifiedGraph:
     graph.nodes = [graph.node(name) for name in order]
     graph.__post_init__()
     return graph
+
+
+SPLIT_TARGETS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+
+
+def split_of_view(view: torch.fx.Node, lines) -> torch.fx.Node | None:
+    """The one split through which ``lines`` (an island) read ``view``, a view of its input's
+    shape that is not itself a split (``x.view(x.shape).chunk(2)``), or None: such reads are
+    summed piece by piece before they join the view's group (``exec.codegen._group_argument``,
+    counted by ``rkgb.build.first_run_bytes``)."""
+    users = [line for line in lines if view in line.all_input_nodes]
+    base = view.args[0].meta.get("val") if view.args and isinstance(view.args[0], torch.fx.Node) else None
+    value = view.meta.get("val")
+    if view.target in SPLIT_TARGETS or len(users) != 1 or users[0].target not in SPLIT_TARGETS \
+            or not isinstance(base, torch.Tensor) or not isinstance(value, torch.Tensor) \
+            or tuple(base.shape) != tuple(value.shape):
+        return None
+    return users[0]
