@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -144,18 +144,21 @@ def _drop_lasting_aliases(backwards: list[ComputeNode], input_grad: str) -> None
     gradient, freed by block ``i-1``'s backward. An alias that lasted to the end of the block
     would tie it to gradients of later blocks (the model's output gradients, which autograd
     holds until the backward ends). Counting it apart over-estimates, only while both are
-    alive, and only in such pass-through blocks.
+    alive, and only in such pass-through blocks. The whole model's graph, whose figures are
+    the plan's prediction, keeps them (``ComputeNode.boundary_aliases``).
     """
     producers = [c for c in backwards if input_grad in c.produces]
     for c in producers:
         sources = c.aliases.get(input_grad)
         if sources is None:
             continue
-        kept = list(sources)
+        kept, dropped = list(sources), [-1] * len(sources)
         for i, j in enumerate(sources):
             contributors = [p for p in producers if i in p.contributes.get(input_grad, (i,))]
             if j >= 0 and len(contributors) == 1:
-                kept[i] = -1
+                kept[i], dropped[i] = -1, j
+        if any(j >= 0 for j in dropped):  # the whole model's graph keeps them
+            c.boundary_aliases[input_grad] = tuple(dropped)
         if any(j >= 0 for j in kept):
             c.aliases[input_grad] = tuple(kept)
         else:
@@ -241,17 +244,17 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
             continue
         size = value.numel() * value.element_size()
         grad = FirstRun(input_grad_key(name), size, accumulates=True)
-        # views of the input made in nodes' preludes, which several nodes (or the user) read:
-        # the executor sums each one's gradient apart before it joins the input's (exec.codegen,
-        # view groups), as eager's view buffer does; a view read by one node alone is counted
-        # as a contribution of that node to the input's gradient
+        # views of the input made in nodes' preludes: the executor sums each one's gradient
+        # apart (exec.codegen, view groups), as eager's view buffer does, until the view's place
+        # in the backward (after other contributions to the input's gradient, maybe), where it
+        # joins the input's
         grouped: dict[str, list[str]] = {}
         returned: dict[str, int] = {}
         for view, view_readers in graph.input_view_readers(name).items():
             # (a view of the input alone that the user gets: the loss's contribution opens its
             # group, as exec.codegen makes it from the group's alias)
             returned[view] = graph.outputs.count(view) if len(captured_lines[view].all_input_nodes) == 1 else 0
-            if len(view_readers) + returned[view] >= 2:
+            if view_readers or returned[view]:
                 grouped[view] = view_readers
         for line in graph.global_views:  # a view of the input that the user gets, made once
             if line.name in graph.outputs and line.name not in returned and \
@@ -286,6 +289,27 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
     result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
               for name, entries in result.items()}
     return {name: tuple(entries) for name, entries in result.items() if entries}
+
+
+def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, blocks: list[BlockInstance]
+                        ) -> dict[str, tuple[FirstRun, ...]]:
+    """``entries`` (:func:`first_run_bytes`) where a backward's contributions to a model input's
+    gradient are its own incoming gradient (``FirstRun.alias``, as the inspection saw them:
+    ``NodeMeasure.input_grad_aliases``), where it saw one per entry."""
+    result = dict(entries)
+    for block in blocks:
+        for measure in measures[block.class_index].nodes:
+            name = cname(block.names[measure.name], ComputeKind.BACKWARD)
+            for input_name, sources in measure.input_grad_aliases.items():
+                key = input_grad_key(input_name)
+                own = [i for i, entry in enumerate(result.get(name, ())) if entry.key == key]
+                if len(own) != len(sources) or all(j < 0 for j in sources):
+                    continue
+                updated = list(result[name])
+                for i, j in zip(own, sources):
+                    updated[i] = replace(updated[i], alias=j)
+                result[name] = tuple(updated)
+    return result
 
 
 def _only_splits(node, view: str) -> bool:
@@ -365,7 +389,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
     model_chain = ModelChain(classes=classes, blocks=instances, held_bytes=held_bytes(simplified, model))
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}
-    model_chain.first_run_bytes = {name: entries for name, entries in first_run_bytes(simplified, model, sample, grad_accumulation).items()
+    entries = first_run_bytes(simplified, model, sample, grad_accumulation)
+    model_chain.first_run_bytes = {name: entries for name, entries in _input_grad_aliases(entries, measures, instances).items()
                                    if name in computes}  # the backwards of nodes without grad do not run
     seconds["cdgraph"] = time.perf_counter() - clock
     return ModelGraphs(captured, simplified, chain, measures, model_chain, seconds)

@@ -217,7 +217,7 @@ _PASS_THROUGH_WRITES = {torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor}
 
 
 def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varying: set[str],
-                        renamed: dict[str, str] | None = None) -> int:
+                        renamed: dict[str, str] | None = None, requiring: set[str] = frozenset()) -> int:
     """Run in place again the additions that the user's code runs in place on an intermediate
     result (``out += identity``; ``inplace`` from :func:`user_inplace_ops`), which
     functionalization made out of place: the functional op allocates a second activation where
@@ -229,7 +229,9 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varyi
     split's piece), with the result's shape, dtype and layout: exactly eager's write. The write
     becomes a line of its input's node, whose island's engine call holds its incoming gradient
     to its end: only writes whose backward passes that gradient on (``add_``, ``sub_``) are
-    restored; an ``nn.ReLU(inplace=True)`` stays out of place (README, Known limits). Returns
+    restored, or any write where no autograd runs (nothing it reads is computed from the
+    placeholders that require grad, ``requiring``); an ``nn.ReLU(inplace=True)`` on values that
+    require grad stays out of place (README, Known limits). Returns
     how many; ``renamed`` receives the old name -> new name of each (readers read the written
     tensor, as :func:`restore_inplace_writes` makes them)."""
     storages: dict[object, int] = {}
@@ -242,14 +244,18 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varyi
     restored = 0
     writes: set[torch.fx.Node] = set()
     depends: set[torch.fx.Node] = set()  # nodes computed from an input or a parameter
+    with_grad: set[torch.fx.Node] = set()  # nodes computed from a placeholder that requires grad
     for node in graph.nodes:
         if (node.op == "placeholder" and node.name in varying) or any(a in depends for a in node.all_input_nodes):
             depends.add(node)
+        if (node.op == "placeholder" and node.name in requiring) or any(a in with_grad for a in node.all_input_nodes):
+            with_grad.add(node)
     for node in list(graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or not node.args:
             continue
         in_place = _inplace_variant(node.target)
-        if in_place not in _PASS_THROUGH_WRITES or not any(inplace.get(name) is in_place for name in _origins(node)):
+        if in_place is None or (in_place not in _PASS_THROUGH_WRITES and node in with_grad) \
+                or not any(inplace.get(name) is in_place for name in _origins(node)):
             continue
         x = node.args[0]
         if any(user.op == "output" for user in node.users):
@@ -492,7 +498,9 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     differentiable_copies(exported.graph, renamed)
     varying = {spec.arg.name for spec in exported.graph_signature.input_specs
                if spec.kind in (InputKind.USER_INPUT, InputKind.PARAMETER)}
-    restore_inplace_ops(exported.graph, inplace, varying, renamed)
+    requiring = {node.name for node in exported.graph.nodes if node.op == "placeholder" and node.name in varying
+                 and getattr(node.meta.get("val"), "requires_grad", False)}
+    restore_inplace_ops(exported.graph, inplace, varying, renamed, requiring)
     merge_regenerated_views(exported.graph, targets)
     views_as_reshapes(exported.graph)
     signature = exported.graph_signature

@@ -139,6 +139,10 @@ class ComputeNode:
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # temporary memory of a forward run without grad (None: ``overhead_bytes``)
     no_grad_overhead_bytes: int | None = None
+    # ``aliases`` of the block's input gradient that the block's own figures count as new
+    # tensors (rkgb.build._drop_lasting_aliases) and the whole model's graph keeps, where that
+    # gradient is an inner data node (ModelChain.whole_graph)
+    boundary_aliases: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def overhead(self, with_grad: bool = True) -> int:
         """Temporary memory while it runs (a forward's depends on ``with_grad``)."""
@@ -222,6 +226,7 @@ class CDGraph:
                 contributes={rename_data(g): v for g, v in c.contributes.items()},
                 aliases={rename_data(g): v for g, v in c.aliases.items()},
                 shared={rename_data(g): v for g, v in c.shared.items()},
+                boundary_aliases={rename_data(g): v for g, v in c.boundary_aliases.items()},
             )
 
         return CDGraph(
@@ -328,6 +333,17 @@ class CDGraph:
                     )
 
 
+def _with_boundary_aliases(node: ComputeNode) -> ComputeNode:
+    """``node`` with its ``boundary_aliases`` among its ``aliases``."""
+    if not node.boundary_aliases:
+        return node
+    aliases = dict(node.aliases)
+    for g, sources in node.boundary_aliases.items():
+        old = aliases.get(g, (-1,) * len(sources))
+        aliases[g] = tuple(j if j >= 0 else k for j, k in zip(sources, old))
+    return dataclasses.replace(node, aliases=aliases, boundary_aliases={})
+
+
 @dataclass(frozen=True)
 class FirstRun:
     """Memory that a compute node allocates at its first run and the executor keeps to the end
@@ -340,7 +356,9 @@ class FirstRun:
     which its measured temporary memory holds at its peak (not counted twice while it runs).
     ``until``: freed when the compute node of that name starts (a view group's sum, added
     into its base's gradient by then). None of these: a buffer that the later runs of the
-    key's nodes add into in place (a shared parameter's sum of contributions).
+    key's nodes add into in place (a shared parameter's sum of contributions). ``alias``: for
+    a contribution to a model input's gradient, the part of the node's own incoming gradient
+    that it is (an ``add``'s backward passes it on; no new memory), -1 for a new tensor.
     """
 
     key: str
@@ -350,6 +368,7 @@ class FirstRun:
     accumulates: bool = False
     in_overhead: bool = False
     until: str | None = None
+    alias: int = -1
 
 
 # the keys of first-run gradients that other phases look up (rkgb.build makes them)
@@ -451,9 +470,12 @@ class ModelChain:
         forwards: list[ComputeNode] = []
         backwards: list[ComputeNode] = []
         data: dict[str, DataNode] = {}
-        for g in graphs:
+        for index, g in enumerate(graphs):
             forwards += g.forward_nodes()
-            backwards = g.backward_nodes() + backwards
+            # a block's input gradient is an inner node of the whole graph but in the first
+            # block: where the block's backward passes its own gradient on, they share a storage
+            backwards = ([_with_boundary_aliases(c) for c in g.backward_nodes()] if index else g.backward_nodes()) \
+                + backwards
             for d in g.data_nodes:
                 data.setdefault(d.name, d)
         last = graphs[-1]

@@ -36,19 +36,19 @@ class GradSink:
     With a :class:`GradientQueue`, a contribution waits in it until the backward that made it
     has let go of its own incoming gradient and saved tensors (:meth:`GradientQueue.flush`), as
     eager's engine adds a node's outputs into the next buffers only after releasing its inputs.
-    ``last_key`` is the storage of the last contribution (to tell an alias of the incoming
-    gradient, for the inspection) and ``last_bytes`` its bytes (a slice of a bigger tensor holds all
+    ``keys``, when the inspection sets it to a list, records the storage of each contribution
+    (to tell an alias of the incoming gradient) and ``last_bytes`` is the last one's bytes (a slice of a bigger tensor holds all
     of it); ``first_shared``: the first contribution (the gradient)
     shares its storage with another tensor (a view's base), so that the next one is not added
     into it in place (for the inspection).
     """
 
-    __slots__ = ("leaf", "node", "calls", "last_key", "last_bytes", "first_shared", "__weakref__")
+    __slots__ = ("leaf", "node", "calls", "keys", "last_bytes", "first_shared", "__weakref__")
 
     def __init__(self, leaf: torch.Tensor, queue: "GradientQueue | None" = None) -> None:
         self.leaf = leaf
         self.calls = 0  # contributions received (for the inspection)
-        self.last_key = 0
+        self.keys: list[int] | None = None  # None: not recording (the executor's sinks)
         self.last_bytes = 0
         self.first_shared = False
         # the sink keeps the leaf's AccumulateGrad alive (the leaf holds it weakly); the node's
@@ -63,7 +63,8 @@ class GradSink:
         grad = grad_outputs[0]
         if grad is not None:
             self.calls += 1
-            self.last_key = grad.untyped_storage().data_ptr()
+            if self.keys is not None:
+                self.keys.append(grad.untyped_storage().data_ptr())
             self.last_bytes = grad.untyped_storage().nbytes()
             old = self.leaf.grad
             # held by the leaf's .grad and by `old` alone: the gradient's only holder

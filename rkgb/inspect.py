@@ -85,6 +85,9 @@ class NodeMeasure:
     # dep -> the parts of its gradient whose first contribution, made here, shares its storage
     # (a view of a bigger result): the next contribution makes a new sum
     grad_shared: dict[str, list[int]] = field(default_factory=dict)
+    # model input (fx name) -> for each contribution of the backward to its gradient, the part
+    # of ours that it is (an add's backward passes its incoming gradient on), or -1: a new tensor
+    input_grad_aliases: dict[str, list[int]] = field(default_factory=dict)
     data_deps: list[str] = field(default_factory=list)
     is_random: bool = False
 
@@ -640,6 +643,9 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             targets = [d for d in node.data_deps if grad_leaves.get(d)]
             dep_leaves = [leaf for d in targets for leaf, _ in grad_leaves[d]]
             calls = {d: [sink.calls for _, sink in grad_leaves[d]] for d in targets}
+            for d in targets:
+                for _, sink in grad_leaves[d]:
+                    sink.keys = []  # the storages of this backward's contributions
             new_grad_bytes = _storage_bytes([t for t in dep_leaves if t.grad is None])
             reads = sorted(saved.references_of(name))
             measure.backward_reads = [anonymous[r] for r in reads if r in anonymous]
@@ -655,15 +661,27 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 grads = pairs = None
                 for leaf in input_leaves:
                     leaf.grad = None
+                for sink in input_sinks.values():
+                    sink.keys = []  # the storages of this backward's contributions to the inputs
                 # as the executor: the engine runs, the incoming gradient and the phantoms go,
                 # then the contributions join the next gradients (the simulator's flush: not a
                 # temporary of this backward)
                 peak = meter.measure(lambda: torch.autograd.backward(outputs, box.pop("grads")))
+                # the contributions to the inputs' gradients that the engine call made are
+                # first-run memory (the simulator counts each, but those that are the incoming
+                # gradient): not a temporary of this backward
+                sinks = {id(sink) for sink in input_sinks.values()}
+                made = {storage_key(entry[2]): entry[2].untyped_storage().nbytes() for entry in queue.pending
+                        if id(entry[1]) in sinks and storage_key(entry[2]) not in incoming}
+                peak -= sum(made.values())
                 for leaf in leaves[name]:
                     leaf.grad = None
                 saved.free_phantoms(name)
                 queue.flush()
-                peak -= _storage_bytes([leaf.grad for leaf in input_leaves if leaf.grad is not None])
+                for fx_name, sink in input_sinks.items():
+                    if sink.keys:
+                        measure.input_grad_aliases[fx_name] = [incoming.get(key, -1) for key in sink.keys]
+                    sink.keys = None
                 for leaf in input_leaves:
                     leaf.grad = None
             else:
@@ -673,10 +691,12 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 sizes = grad_parts_of[d]
                 contributed, sources, shared = [], [], []
                 for i, (leaf, sink) in enumerate(grad_leaves[d]):
-                    source = -1
                     count = sink.calls - calls[d][i]  # several: a node reading the part twice
-                    if count == 1:  # one contribution: the incoming gradient?
-                        source = incoming.get(sink.last_key, -1)
+                    # the part of the incoming gradient that every contribution is (an add's
+                    # backward passes it on to each read), or -1
+                    found = {incoming.get(key, -1) for key in sink.keys}
+                    source = found.pop() if len(found) == 1 else -1
+                    sink.keys = None
                     if count == 1 and source < 0 and sink.last_bytes > sizes[i]:
                         # a slice of a bigger tensor made inside this backward (the gradient of
                         # a `cat` of several nodes' results): it holds all of it, as eager's

@@ -98,11 +98,19 @@ class _Storages:
         # contributions waiting to be added into alive gradients: (node, part, storage)
         self.pending: list[tuple[str, int, int]] = []
         self.shared: set[int] = set()  # storages that another tensor shares (ComputeNode.shared)
+        # the gradients of model inputs (FirstRun keys), held as data nodes of one part each
+        self.first_run_sizes: dict[str, int] = {}
         self.memory = 0
         self._next = 0
 
+    def _part_size(self, d: str, part: int) -> int:
+        if d in self.first_run_sizes:
+            return self.first_run_sizes[d]
+        return 0 if d in self.uncounted else self.graph.data(d).part_sizes[part]
+
     def _hold(self, d: str, part: int, storage: int) -> None:
-        parts = self.storage.setdefault(d, [None] * len(self.graph.data(d).part_sizes))
+        parts = self.storage.setdefault(
+            d, [None] * (1 if d in self.first_run_sizes else len(self.graph.data(d).part_sizes)))
         old = parts[part]
         parts[part] = storage
         self.holders[storage] += 1
@@ -114,7 +122,7 @@ class _Storages:
     def _hold_new(self, d: str, part: int) -> int:
         """``part`` of ``d`` holds a new storage; return its bytes."""
         self._next += 1
-        size = 0 if d in self.uncounted else self.graph.data(d).part_sizes[part]
+        size = self._part_size(d, part)
         self.bytes[self._next] = size
         self.holders[self._next] = 0
         self._hold(d, part, self._next)
@@ -182,6 +190,29 @@ class _Storages:
                 self.pending.append((d, i, storage))
         return self.memory - before
 
+    def contribute_first_run(self, node: ComputeNode, entry: FirstRun) -> int:
+        """A contribution of ``node`` to a model input's gradient (``entry``, accumulating) as
+        the executor's sink takes it: the first one becomes the gradient, a later one waits for
+        the flush (which adds it into a new sum); either shares the storage of the node's own
+        gradient where it is a part of it (``entry.alias``), else is a new tensor. Return the new
+        bytes."""
+        before = self.memory
+        d = _FIRST_RUN + entry.key
+        self.first_run_sizes[d] = entry.bytes
+        own = self.storage.get(data_name(node.target, DataKind.GRAD)) if entry.alias >= 0 else None
+        alias = own[entry.alias] if own is not None and entry.alias < len(own) else None
+        if d not in self.storage:
+            if alias is not None:
+                self._hold(d, 0, alias)
+            else:
+                self._hold_new(d, 0)
+        elif alias is not None:
+            self.holders[alias] += 1
+            self.pending.append((d, 0, alias))
+        else:
+            self.pending.append((d, 0, self._new(entry.bytes)))
+        return self.memory - before
+
     def flush(self, only: str | None = None) -> int:
         """Add the waiting contributions (to gradient ``only``, or all) into their gradients;
         return the peak while it runs."""
@@ -189,12 +220,17 @@ class _Storages:
         flushed = [entry for entry in self.pending if only is None or entry[0] == only]
         for d, i, storage in flushed:
             held = self.storage[d][i]
-            if self.holders[held] > 1 or held in self.shared:  # shared: old + grad, a new tensor
-                peak = max(peak, self.memory + (0 if d in self.uncounted else self.graph.data(d).part_sizes[i]))
+            # shared: old + grad, a new tensor; so for a model input's gradient, whose sink may
+            # hold a view of a bigger tensor or a group's sum (not told apart here)
+            if self.holders[held] > 1 or held in self.shared or d in self.first_run_sizes:
+                peak = max(peak, self.memory + self._part_size(d, i))
                 self._hold_new(d, i)  # then the old one goes
             self._release(storage)  # the contribution (added in place into a gradient held alone)
         self.pending = [entry for entry in self.pending if entry not in flushed]
         return peak
+
+
+_FIRST_RUN = "first run: "  # the data-node names of the model inputs' gradients in _Storages
 
 
 def _flush(storages: _Storages, kept: int, waiting: list[int]) -> int:
@@ -407,6 +443,10 @@ def simulate(
         added = storages.compute(node, outputs)
         again = 0
         for entry in (first_run_bytes or {}).get(node.name, ()):
+            if entry.accumulates and views_key_input(entry.key) is None:  # a model input's gradient
+                added += storages.contribute_first_run(node, entry)
+                first_runs.add(entry.key)
+                continue
             if entry.key in first_runs:
                 if entry.until is not None:  # held from the first run to its end: nothing more
                     pass

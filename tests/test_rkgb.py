@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -209,6 +210,37 @@ def test_dropout_runs_eagers_kernels():
     assert restore_dropout(exported.graph, torch.device("cuda")) == dropouts
     targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.aten.dropout.default) == dropouts
+
+
+def test_inplace_ops_without_autograd_run_in_place_as_in_eager():
+    """Where nothing an in-place op reads requires grad (a frozen stem, an input without grad),
+    functionalization's out-of-place op is written in place again, whatever the op
+    (``nn.ReLU(inplace=True)``, ``mul_``): no autograd runs there, so no gradient is held
+    longer. The plan without recomputation then holds one activation less, eager's memory."""
+    from exactness import DotLoss, check_training, eager_peak
+    from rockmate import Rockmate
+
+    class FrozenStem(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(inplace=True)).requires_grad_(False)
+            self.head = torch.nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = self.stem(x)
+            h.mul_(x.sum(-1, keepdim=True))
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model, x = FrozenStem(), torch.randn(8, 16)
+    graph = simplify(capture(model, x))
+    written = {line.target for node in graph.nodes for line in node.body}
+    assert {torch.ops.aten.relu_.default, torch.ops.aten.mul_.Tensor} <= written
+    loss = DotLoss(model(x))
+    eager = eager_peak(model, (x,), loss)
+    none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", cost_model="flops")
+    assert none.plan.predicted_peak <= eager
+    check_training(model, (x,), 0.6, steps=2)
 
 
 def test_residual_additions_run_in_place_as_in_eager():
