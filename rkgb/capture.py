@@ -22,7 +22,11 @@ numbers, the same saved tensors) wherever the mask is unused:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import operator
+import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -465,8 +469,25 @@ def _model_name(model: nn.Module) -> str:
     return type(getattr(model, "wrapped", model)).__name__
 
 
+_LIBRARY_DIRECTORIES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), package)
+                             + os.sep for package in ("rkgb", "rockmate", "solvers", "exec"))
+
+
+def _stacklevel_of_caller() -> int:
+    """The ``stacklevel`` of a warning raised here that points at the first frame outside this
+    library (the user's ``Rockmate(...)`` line)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRECTORIES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def capture(model: nn.Module, sample) -> CapturedGraph:
     """Export ``model`` on ``sample`` (non-strict) and functionalize the graph.
+
+    What the forward prints while it is traced is written to ``sys.stdout`` as it would have
+    been, followed by a ``UserWarning``: the compiled module runs the captured graph, so Python
+    side effects of ``forward`` (print, logging, counters) happen once, here, never per call.
 
     Raises:
         CaptureError: torch.export failed; the message names the model class and repeats
@@ -474,10 +495,12 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     """
     args = as_input_tuple(sample)
     _check_no_module_hooks(model)
+    printed = io.StringIO()  # what the forward prints while it is traced (see below)
     try:
         # random ops whose results are unused still advance the generator in eager: the
         # export's dead-code elimination keeps them only when told that randomness is an effect
-        with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True):
+        with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
+                contextlib.redirect_stdout(printed):
             warnings.simplefilter("ignore", FutureWarning)
             exported = torch.export.export(model, args, strict=False)
             inplace = user_inplace_ops(exported.graph)
@@ -491,6 +514,13 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             f"{summary}\nRockmate needs a model that torch.export.export(model, sample, "
             "strict=False) accepts (no data-dependent control flow on tensor values)."
         ) from error
+    finally:
+        sys.stdout.write(printed.getvalue())  # the user's prints, where they would have gone
+    if printed.getvalue():
+        warnings.warn(
+            f"{_model_name(model)}'s forward printed while Rockmate captured it: Python side effects in "
+            "forward (print, logging, counters in Python variables) run once, when Rockmate captures the "
+            "model, not at each call of the compiled module", UserWarning, stacklevel=_stacklevel_of_caller())
 
     renamed: dict[str, str] = {}
     restore_dropout(exported.graph, device_of(model, args), renamed)

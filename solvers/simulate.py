@@ -382,10 +382,6 @@ def simulate(
         if not graph.has_compute(op.node):
             raise InvalidSchedule(f"{where(i, op)}: unknown compute node {op.node!r}")
         node = graph.compute(op.node)
-        for entry in released_by.get(node.name, ()):
-            if entry.key in first_runs:
-                first_runs.discard(entry.key)
-                kept -= entry.bytes
         # the contributions of the previous backward join their gradients (the executor
         # flushes them as the next compute starts)
         if same_call and i in same_call:
@@ -394,6 +390,16 @@ def simulate(
             flushed = storages.flush(only=data_name(node.target, DataKind.GRAD)) + kept + sum(waiting)
         else:
             flushed = _flush(storages, kept, waiting)
+        # then the view groups whose place this is join their bases' gradients (exec.codegen's
+        # deliveries): a new sum (the base's gradient may be held elsewhere: the loss's) while
+        # the group's own sum and the old gradient live
+        joined = [entry.bytes for entry in released_by.get(node.name, ()) if entry.key in first_runs]
+        if joined:
+            flushed = max(flushed, storages.memory + kept + sum(waiting) + max(joined))
+        for entry in released_by.get(node.name, ()):
+            if entry.key in first_runs:
+                first_runs.discard(entry.key)
+                kept -= entry.bytes
         memory = storages.memory
         if flushed > peak:
             peak, peak_index = flushed, i

@@ -259,3 +259,26 @@ def test_create_graph_and_a_second_backward_are_clear_errors():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         loss.backward()
+
+
+def test_two_backwards_from_one_loss_without_retain_graph_are_a_clear_error():
+    """The user calls ``loss.backward()`` twice on one loss (no ``retain_graph``): eager raises
+    torch's "backward through the graph a second time"; the compiled module raises its own
+    RuntimeError saying to run the forward again, and the first backward's gradients stay
+    eager's."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    compiled = Rockmate(model, x, 10**9, cost_model="flops")
+    expected = reference(x).sum()
+    expected.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        expected.backward()
+    loss = compiled(x).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"^Rockmate: a second backward through one forward of the compiled "
+                                           r"module \(retain_graph=True, or two backwards from one loss\): .*run "
+                                           r"the forward again for another backward"):
+        loss.backward()
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -19,8 +19,8 @@ from rockmate import Rockmate
 from rkgb.errors import CaptureError
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 4))
 
 
@@ -78,6 +78,65 @@ def test_a_model_cast_after_building_is_a_clear_error():
         compiled(X.double())
 
 
+def test_an_input_on_another_device_is_a_clear_error():
+    """The user calls a module built on the CPU with an input on the meta device: a ValueError
+    naming the input's device and the sample's, and saying to build Rockmate again."""
+    compiled = _compiled()
+    with pytest.raises(ValueError, match=r"input 0 has shape \[3, 8\], dtype torch.float32, device meta, but the "
+                                         r"module was compiled for .* device cpu; .*build Rockmate again"):
+        compiled(X.to("meta"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_input_on_cuda_is_a_clear_error():
+    """The user calls a module built on the CPU with a CUDA input (the model left on the CPU):
+    the same ValueError, naming cuda:0 and cpu."""
+    compiled = _compiled()
+    with pytest.raises(ValueError, match=r"device cuda:0, but the module was compiled for .* device cpu; "
+                                         r".*build Rockmate again"):
+        compiled(X.cuda())
+
+
+def test_a_model_moved_to_meta_after_building_is_a_clear_error():
+    """The user moves the compiled module (so its model) to the meta device and calls it, with
+    the CPU sample or a meta input: the error of a cast after building, naming both devices."""
+    compiled = _compiled()
+    compiled.to("meta")
+    assert compiled.model[0].weight.device.type == "meta"
+    for x in (X, X.to("meta")):
+        with pytest.raises(ValueError, match=r"the model's 0.weight is torch.float32 on meta but the plan was made "
+                                             r"for torch.float32 on cpu: the model was cast or moved after "
+                                             r"Rockmate was built"):
+            compiled(x)
+
+
+class _Prints(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        print("forward of _Prints")
+        return self.lin(x)
+
+
+def test_a_forward_that_prints_warns_at_capture_and_the_compiled_calls_print_nothing(capsys):
+    """The user's forward calls ``print``: building prints it once (torch.export traces the
+    forward) and warns, at the user's ``Rockmate(...)`` line, that Python side effects run once at
+    capture; training is exact, and only the eager copy's three calls print."""
+    torch.manual_seed(0)
+    model = _Prints()
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"_Prints's forward printed while Rockmate captured it: Python side "
+                                         r"effects in forward \(print, logging, counters in Python variables\) "
+                                         r"run once, when Rockmate captures the model, not at each call") as record:
+        compiled = _compiled(model)
+    assert [w.filename for w in record if w.category is UserWarning] == [__file__]
+    assert capsys.readouterr().out == "forward of _Prints\n"
+    _same_training(compiled, model, reference, X)
+    assert capsys.readouterr().out == "forward of _Prints\n" * 3  # the eager copy's calls only
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 def test_copies_train_exactly_like_the_original(how):
     compiled = _compiled()
@@ -103,6 +162,42 @@ def test_state_dict_round_trip():
             p.add_(1.0)
     other.load_state_dict(compiled.state_dict())
     for a, b in zip(compiled.model.parameters(), other.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_state_dict_saved_to_disk_loads_into_a_new_build(tmp_path):
+    """The user saves ``compiled.state_dict()`` with ``torch.save``, builds Rockmate again on a
+    differently initialized model and loads the file into it: its parameters are the saved ones,
+    and it trains (SGD, 3 steps) bitwise like an eager model holding the same weights."""
+    compiled = _compiled()
+    with torch.no_grad():
+        for p in compiled.model.parameters():
+            p.add_(1.0)
+    torch.save(compiled.state_dict(), tmp_path / "w.pt")
+    fresh = _compiled(_mlp(seed=1))
+    assert not torch.equal(fresh.model[0].weight, compiled.model[0].weight)
+    fresh.load_state_dict(torch.load(tmp_path / "w.pt", weights_only=True))
+    for a, b in zip(compiled.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(a, b)
+    reference = _mlp(seed=2)
+    reference.load_state_dict(fresh.model.state_dict())
+    _same_training(fresh, fresh.model, reference, X, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
+def test_state_dicts_of_the_compiled_module_and_of_the_model_do_not_mix():
+    """The compiled module's state_dict names the model's tensors under ``compiled.model.``:
+    loading it into the eager model, or the eager model's into the compiled module, is torch's
+    RuntimeError naming the keys; ``compiled.model.state_dict()`` is the model's, and loads."""
+    compiled, eager = _compiled(), _mlp(seed=1)
+    assert list(compiled.state_dict()) == [f"compiled.model.{key}" for key in eager.state_dict()]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.weight".*\n.*Unexpected '
+                                           r'key\(s\) in state_dict: "compiled.model.0.weight"'):
+        eager.load_state_dict(compiled.state_dict())
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "compiled.model.0.weight".*\n.*'
+                                           r'Unexpected key\(s\) in state_dict: "0.weight"'):
+        compiled.load_state_dict(eager.state_dict())
+    eager.load_state_dict(compiled.model.state_dict())
+    for a, b in zip(compiled.model.parameters(), eager.parameters()):
         assert torch.equal(a, b)
 
 

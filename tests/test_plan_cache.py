@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import pytest
 import torch
 
 from rkgb.build import build
@@ -66,8 +67,62 @@ def test_an_unreadable_entry_is_solved_again(tmp_path):
     for entry in tmp_path.glob("*.pkl"):
         entry.write_bytes(b"not a pickle")
     again = OptionCache(directory=str(tmp_path))
-    registry.min_budget(chain, "rockmate", cache=again, **GRID)
+    expected = registry.min_budget(chain, "rockmate", cache=again, **GRID)
     assert again.misses == cache.misses
+    # the corrupt files were rewritten: a third build reads every option from disk
+    third = OptionCache(directory=str(tmp_path))
+    assert registry.min_budget(chain, "rockmate", cache=third, **GRID) == expected
+    assert third.misses == 0 and third.hits == cache.misses
+
+
+def test_an_entry_of_another_format_is_not_read(tmp_path, monkeypatch):
+    """A library whose options changed (``OPTIONS_FORMAT`` bumped) finds a cache directory
+    written by the old one: the keys differ, so the old entry is never read; the class is solved
+    again and both entries stay on disk."""
+    from solvers import option_cache
+
+    graph, settings = _chain().classes[1], (3, 3)
+    old_key = OptionCache.key(graph, settings)
+    OptionCache(directory=str(tmp_path)).get_or_compute(graph, settings, lambda: "old options")
+    monkeypatch.setattr(option_cache, "OPTIONS_FORMAT", option_cache.OPTIONS_FORMAT + 1)
+    assert OptionCache.key(graph, settings) != old_key
+    new = OptionCache(directory=str(tmp_path))
+    assert new.get_or_compute(graph, settings, lambda: "new options") == "new options"
+    assert new.misses == 1 and new.hits == 0
+    assert sorted(p.stem for p in tmp_path.glob("*.pkl")) == sorted([old_key, OptionCache.key(graph, settings)])
+
+
+@pytest.mark.parametrize("content", [{"options": 1}, ["times", "options"], ((0.5,), "options", "extra"),
+                                     ("times", "options"), ((1.0, 2.0), "options")],
+                         ids=["dict", "list", "three_fields", "times_not_a_tuple", "times_of_another_graph"])
+def test_a_pickle_of_the_wrong_content_is_solved_again(tmp_path, content):
+    """An entry's file holds a well-formed pickle that is not an entry (or an entry of another
+    graph's operations): the class is solved again, the file rewritten, and the next cache
+    reads it."""
+    import pickle
+
+    graph, settings = _chain().classes[1], (3, 3)
+    (tmp_path / f"{OptionCache.key(graph, settings)}.pkl").write_bytes(pickle.dumps(content))
+    cache = OptionCache(directory=str(tmp_path))
+    assert cache.get_or_compute(graph, settings, lambda: "options") == "options"
+    assert cache.misses == 1
+    again = OptionCache(directory=str(tmp_path))
+    assert again.get_or_compute(graph, settings, lambda: "solved again") == "options"
+    assert again.hits == 1 and again.misses == 0
+
+
+@pytest.mark.parametrize("backend, check, package", [("highs", "highs_available", "pip install highspy"),
+                                                     ("cpsat", "ortools_available", "pip install ortools")])
+def test_a_missing_ilp_backend_is_an_import_error_naming_the_package(monkeypatch, backend, check, package):
+    """The user asks for an ILP backend whose package is not installed
+    (``Rockmate(..., ilp_solver="highs")`` without highspy): an ImportError naming the pip
+    package, not a fallback (a backend that is installed but fails falls back, above)."""
+    from solvers import checkmate_ilp
+
+    monkeypatch.setattr(checkmate_ilp, check, lambda *args: False)
+    model, sample = ZOO["mlp"].build()
+    with pytest.raises(ImportError, match=f"^solver='{backend}' needs .*: {package}$"):
+        Rockmate(model, sample, "1GB", cost_model="flops", ilp_solver=backend, cache=OptionCache(), **GRID)
 
 
 def test_plan_timings_say_where_planning_time_went():
