@@ -138,6 +138,15 @@ class Rockmate(nn.Module):
             module, self.graphs.simplified, plan.schedule, flat_sample,
             cdgraph=whole, peak_limit=plan.predicted_peak - plan.held_bytes, first_run_bytes=plan.first_run_bytes,
         )
+        # the state_dict is the model's, under the model's own keys: it loads into the model
+        # (and the model's into this module), as the user saves and restores checkpoints
+        self.register_state_dict_post_hook(_as_model_keys)
+        self.register_load_state_dict_pre_hook(_as_inner_keys)
+        self.register_load_state_dict_post_hook(_errors_in_model_keys)
+
+    def _inner_prefix(self) -> str:
+        """Where the model's tensors sit among this module's submodules."""
+        return "compiled.model." + ("model." if isinstance(self.compiled.model, FlatModel) else "")
 
     def __reduce__(self):
         """``copy.deepcopy``, ``pickle`` and ``torch.save`` keep the model (its parameters,
@@ -226,6 +235,49 @@ class Rockmate(nn.Module):
             f"solver={plan.solver!r}, blocks={len(self.graphs.chain.blocks)}, "
             f"classes={len(self.graphs.chain.classes)}"
         )
+
+
+def _renamed_keys(state_dict, old: str, new: str, keep: str | None = None) -> None:
+    """Rename in place the keys (and the metadata entries) of ``state_dict`` that start with
+    ``old`` to start with ``new`` instead, the order kept; those starting with ``keep`` stay."""
+    def renamed(key: str, dotted: bool) -> str | None:
+        name = key if dotted or not key else key + "."  # a metadata entry is a module's prefix
+        if not name.startswith(old) or (keep is not None and name.startswith(keep)):
+            return None
+        name = new + name[len(old):]
+        return name if dotted else name.rstrip(".")
+
+    items = list(state_dict.items())
+    state_dict.clear()
+    for key, value in items:
+        name = renamed(key, True)
+        state_dict[key if name is None else name] = value
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        entries = list(metadata.items())
+        metadata.clear()
+        for key, value in entries:
+            name = renamed(key, False)
+            metadata[key if name is None else name] = value
+
+
+def _as_model_keys(module: "Rockmate", state_dict, prefix: str, local_metadata) -> None:
+    """State-dict post-hook: ``compiled.model.0.weight`` becomes the model's ``0.weight``."""
+    _renamed_keys(state_dict, prefix + module._inner_prefix(), prefix)
+
+
+def _as_inner_keys(module: "Rockmate", state_dict, prefix: str, local_metadata, strict, missing_keys,
+                   unexpected_keys, error_msgs) -> None:
+    """Load-state-dict pre-hook: the model's keys (or this module's own, as older versions saved
+    them) go to the model inside."""
+    _renamed_keys(state_dict, prefix, prefix + module._inner_prefix(), keep=prefix + "compiled.")
+
+
+def _errors_in_model_keys(module: "Rockmate", incompatible) -> None:
+    """Load-state-dict post-hook: missing and unexpected keys are named as the model names them."""
+    inner = module._inner_prefix()
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [key.replace(inner, "", 1) for key in keys]
 
 
 def _rebuilt(model: nn.Module, call: tuple, budget, solver: str, options: dict, training: bool) -> "Rockmate":

@@ -176,11 +176,11 @@ def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0,
                                      options=options)
     if name == "highs":
         if not highs_available():
-            raise ImportError("solver='highs' needs the highspy package: pip install highspy")
+            raise ImportError("ilp_solver='highs' needs the highspy package: pip install highspy")
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1)
     if name in ORTOOLS_ENGINES:  # solved by solve_with_ortools; this object is not used
         if not ortools_available(name):
-            raise ImportError(f"solver={name!r} needs OR-Tools: pip install ortools")
+            raise ImportError(f"ilp_solver={name!r} needs OR-Tools: pip install ortools")
         return None
     raise ValueError(f"ilp_solver must be 'cbc', 'highs', 'cpsat' or 'scip', got {name!r}")
 

@@ -82,7 +82,11 @@ class OptionCache:
                         graph.output_data, graph.output_grads, settings))
         return hashlib.sha256(content.encode()).hexdigest()
 
-    def get_or_compute(self, graph: CDGraph, settings: tuple, compute: Callable[[], object]):
+    def get_or_compute(self, graph: CDGraph, settings: tuple, compute: Callable[[], object],
+                       kind: type | None = None):
+        """The value for ``graph`` and ``settings``: from memory or disk where the timings are
+        alike (and, with ``kind``, the stored value is one: a file of another content is solved
+        again and rewritten), else ``compute()``, stored."""
         key = self.key(graph, settings)
         times = tuple(node.time_s for node in graph.compute_nodes)
         entry = self._entries.get(key)
@@ -92,6 +96,8 @@ class OptionCache:
             return entry[1]
         path = os.path.join(self.directory, f"{key}.pkl") if self.directory else None
         entry = self._read(path) if path and os.path.exists(path) else None
+        if entry is not None and kind is not None and not isinstance(entry[1], kind):
+            entry = None
         if entry is not None and similar_times(entry[0], times):
             self.hits += 1
         else:

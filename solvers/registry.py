@@ -329,7 +329,8 @@ class RockmateSolver(ChainPlanner):
                 report=report,
             )
 
-        options = compute() if self.cache is None else self.cache.get_or_compute(chain.classes[index], settings, compute)
+        options = compute() if self.cache is None else \
+            self.cache.get_or_compute(chain.classes[index], settings, compute, kind=ClassOptions)
         self.reports[index] = report
         return options
 

@@ -184,21 +184,28 @@ def test_a_state_dict_saved_to_disk_loads_into_a_new_build(tmp_path):
     _same_training(fresh, fresh.model, reference, X, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
 
 
-def test_state_dicts_of_the_compiled_module_and_of_the_model_do_not_mix():
-    """The compiled module's state_dict names the model's tensors under ``compiled.model.``:
-    loading it into the eager model, or the eager model's into the compiled module, is torch's
-    RuntimeError naming the keys; ``compiled.model.state_dict()`` is the model's, and loads."""
+def test_the_compiled_state_dict_is_the_models():
+    """A checkpoint of the compiled module is the model's: the same keys (and order), it loads
+    into the eager model and the eager model's into the compiled module (whose earlier keys,
+    under ``compiled.model.``, load too), also as a submodule of a bigger module."""
     compiled, eager = _compiled(), _mlp(seed=1)
-    assert list(compiled.state_dict()) == [f"compiled.model.{key}" for key in eager.state_dict()]
-    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.weight".*\n.*Unexpected '
-                                           r'key\(s\) in state_dict: "compiled.model.0.weight"'):
-        eager.load_state_dict(compiled.state_dict())
-    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "compiled.model.0.weight".*\n.*'
-                                           r'Unexpected key\(s\) in state_dict: "0.weight"'):
-        compiled.load_state_dict(eager.state_dict())
-    eager.load_state_dict(compiled.model.state_dict())
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    eager.load_state_dict(compiled.state_dict())
     for a, b in zip(compiled.model.parameters(), eager.parameters()):
         assert torch.equal(a, b)
+    other = _mlp(seed=2)
+    compiled.load_state_dict(other.state_dict())
+    for a, b in zip(compiled.model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+    compiled.load_state_dict({f"compiled.model.{key}": value for key, value in eager.state_dict().items()})
+    for a, b in zip(compiled.model.parameters(), eager.parameters()):
+        assert torch.equal(a, b)
+    outer = torch.nn.ModuleDict({"body": compiled, "head": torch.nn.Linear(4, 2)})
+    keys = list(outer.state_dict())
+    assert keys == [f"body.{key}" for key in eager.state_dict()] + ["head.weight", "head.bias"]
+    outer.load_state_dict(outer.state_dict())
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "extra"'):
+        compiled.load_state_dict({**eager.state_dict(), "extra": torch.zeros(1)})
 
 
 def test_adamw_over_five_steps_is_exact():

@@ -111,6 +111,22 @@ def test_a_pickle_of_the_wrong_content_is_solved_again(tmp_path, content):
     assert again.hits == 1 and again.misses == 0
 
 
+def test_an_entry_of_the_right_shape_but_not_options_is_solved_again(tmp_path):
+    """An entry file with this graph's timings but a value that is not a class's options (a
+    hand-made or foreign file): the planner solves the class again instead of failing on it."""
+    import pickle
+
+    chain = _chain()
+    cache = OptionCache(directory=str(tmp_path))
+    expected = registry.min_budget(chain, "rockmate", cache=cache, **GRID)
+    for path in tmp_path.glob("*.pkl"):
+        times, _ = pickle.loads(path.read_bytes())
+        path.write_bytes(pickle.dumps((times, "not options")))
+    again = OptionCache(directory=str(tmp_path))
+    assert registry.min_budget(chain, "rockmate", cache=again, **GRID) == expected
+    assert again.hits == 0 and again.misses == cache.misses
+
+
 @pytest.mark.parametrize("backend, check, package", [("highs", "highs_available", "pip install highspy"),
                                                      ("cpsat", "ortools_available", "pip install ortools")])
 def test_a_missing_ilp_backend_is_an_import_error_naming_the_package(monkeypatch, backend, check, package):
@@ -121,7 +137,7 @@ def test_a_missing_ilp_backend_is_an_import_error_naming_the_package(monkeypatch
 
     monkeypatch.setattr(checkmate_ilp, check, lambda *args: False)
     model, sample = ZOO["mlp"].build()
-    with pytest.raises(ImportError, match=f"^solver='{backend}' needs .*: {package}$"):
+    with pytest.raises(ImportError, match=f"^ilp_solver='{backend}' needs .*: {package}$"):
         Rockmate(model, sample, "1GB", cost_model="flops", ilp_solver=backend, cache=OptionCache(), **GRID)
 
 
