@@ -24,6 +24,7 @@ from rkgb.build import ModelGraphs, build
 from rkgb.cdgraph import ComputeKind
 from rkgb.errors import describe_fx_node
 from solvers import registry
+from solvers.checkmate_ilp import make_pulp_solver
 from solvers.bounds import operation_floor
 from solvers.schedule import Plan
 
@@ -123,6 +124,9 @@ class Rockmate(nn.Module):
             raise TypeError("Rockmate needs a budget: Rockmate(model, sample, budget), e.g. budget=\"300MiB\"")
         budget_bytes = parse_budget(budget)
         build_options, solver_options = _split_options(options)
+        registry.get_solver(solver, **solver_options)  # unknown options: an error before the build
+        if isinstance(solver_options.get("ilp_solver"), str):  # a missing package: the same
+            make_pulp_solver(solver_options["ilp_solver"], None)
         self.signature, module, flat_sample = _flat_call(model, sample, args, kwargs)
         # what a copy re-plans from, with the sample's call (copy.deepcopy, pickle, torch.save)
         self._recipe = dict(budget=budget, solver=solver, options=options)

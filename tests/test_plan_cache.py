@@ -135,7 +135,11 @@ def test_a_missing_ilp_backend_is_an_import_error_naming_the_package(monkeypatch
     package, not a fallback (a backend that is installed but fails falls back, above)."""
     from solvers import checkmate_ilp
 
+    import rockmate.api
+
     monkeypatch.setattr(checkmate_ilp, check, lambda *args: False)
+    # said before the model is captured and measured (not after a long build)
+    monkeypatch.setattr(rockmate.api, "_build_graphs", lambda *args: pytest.fail("the model was built first"))
     model, sample = ZOO["mlp"].build()
     with pytest.raises(ImportError, match=f"^ilp_solver='{backend}' needs .*: {package}$"):
         Rockmate(model, sample, "1GB", cost_model="flops", ilp_solver=backend, cache=OptionCache(), **GRID)
