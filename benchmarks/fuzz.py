@@ -82,6 +82,8 @@ def main() -> None:
             save_failures()
             return
         outcomes[result.outcome] += 1
+        if result.outcome == "unsupported":  # allowed by the property, but worth reading
+            print(f"unsupported: {result.notes[0].splitlines()[0]}\n{program.source()}", flush=True)
         if result.eager_peak:
             ratios.append(result.no_recompute_peak / result.eager_peak)
             if ratios[-1] >= max(ratios):

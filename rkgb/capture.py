@@ -28,11 +28,13 @@ import operator
 import os
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch._inductor.config  # noqa: F401 - fallback_random, see capture()
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .errors import CaptureError
@@ -435,6 +437,43 @@ def device_of(model: nn.Module, args: tuple) -> torch.device:
     return torch.device("cpu")
 
 
+# a comparison of a uniform draw in [0, 1) with a constant that it always (True) or never (False)
+# satisfies: name -> test of the constant
+_DECIDED = {
+    "lt": lambda c: False if c <= 0 else True if c >= 1 else None,
+    "le": lambda c: False if c < 0 else True if c >= 1 else None,
+    "gt": lambda c: True if c < 0 else False if c >= 1 else None,
+    "ge": lambda c: True if c <= 0 else False if c >= 1 else None,
+}
+
+
+class _DecidedDraws(TorchFunctionMode):
+    """Decide at capture the comparisons of a one-element ``torch.rand`` draw with a constant that
+    settle them whatever the draw: transformers' LayerDrop (BART, mBART, Whisper, ...) runs
+    ``if torch.rand([]) < self.layerdrop: skip the layer`` in training, a branch that export
+    cannot take on a traced value, and that never skips with the default ``layerdrop=0.0``.
+    The draw stays in the graph (unused, it still advances the generator, as in eager); a
+    comparison that depends on the draw (``layerdrop`` in (0, 1)) still fails to capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draws: dict[int, weakref.ref] = {}  # by id: a tensor's == would be traced
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "").strip("_")
+        if name in _DECIDED and len(args) == 2 and isinstance(args[0], torch.Tensor) \
+                and isinstance(args[1], (int, float)) and not isinstance(args[1], bool) \
+                and self.draws.get(id(args[0]), lambda: None)() is args[0]:
+            decided = _DECIDED[name](args[1])
+            if decided is not None:
+                return decided
+        result = func(*args, **kwargs)
+        if func is torch.rand and isinstance(result, torch.Tensor) and result.numel() == 1:
+            self.draws[id(result)] = weakref.ref(result)
+        return result
+
+
 def _check_no_module_hooks(model: nn.Module) -> None:
     """Raise :class:`CaptureError` if a module has forward or backward hooks.
 
@@ -500,7 +539,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         # random ops whose results are unused still advance the generator in eager: the
         # export's dead-code elimination keeps them only when told that randomness is an effect
         with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
-                contextlib.redirect_stdout(printed):
+                contextlib.redirect_stdout(printed), _DecidedDraws():
             warnings.simplefilter("ignore", FutureWarning)
             exported = torch.export.export(model, args, strict=False)
             inplace = user_inplace_ops(exported.graph)

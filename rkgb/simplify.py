@@ -392,6 +392,8 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
 
     owner: dict[str, str] = {}  # fx name -> simplified node name (or the global's own name)
     static: dict[str, list[torch.fx.Node]] = {}  # static fx name -> its static lines, in order
+    static_root: dict[str, str] = {}  # a static view -> the static value whose storage it views
+    static_views: dict[str, list[str]] = {}  # a static value -> its static views
     nodes: dict[str, SimplifiedNode] = {}
     order: list[str] = []
     global_views: list[torch.fx.Node] = []
@@ -447,6 +449,15 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
             base = fx_node.args[0] if kind is OpKind.GETITEM else _aliased_argument(fx_node)
             if base.name in static:
                 static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
+                root = static_root.get(base.name, base.name)
+                if kind is OpKind.INPLACE:
+                    # a write into a static value (``shifted[:, 0] = start`` into a new_zeros): its
+                    # later readers, and those of its views, recompute it written
+                    for name in [root] + static_views.get(root, []):
+                        static[name] = _merge_static_lines(list(static[name]), [fx_node], static)
+                else:
+                    static_root[fx_node.name] = root
+                    static_views.setdefault(root, []).append(fx_node.name)
                 if base.name in input_views:
                     input_views.add(fx_node.name)
                 if reads_integer_input:

@@ -124,8 +124,13 @@ class CallSignature:
         leaves, spec = pytree.tree_flatten(output)
         if any(not isinstance(leaf, torch.Tensor) for leaf in leaves):
             kinds = sorted({type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)})
+            hint = ""
+            if any(kind.endswith("Cache") for kind in kinds):  # transformers' key/value caches
+                hint = ("; a key/value cache holds every layer's keys and values and training does not "
+                        "use it: call the model with use_cache=False (in the sample and in the calls)")
             raise TypeError(f"the model returns non-tensor values ({', '.join(kinds)}) among its outputs; "
-                            f"Rockmate supports tensors in any nesting of tuples, lists, dicts and ModelOutputs")
+                            f"Rockmate supports tensors in any nesting of tuples, lists, dicts and ModelOutputs"
+                            f"{hint}")
         self.out_spec = spec
         return tuple(leaves)
 

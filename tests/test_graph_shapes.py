@@ -282,3 +282,54 @@ def test_two_backwards_from_one_loss_without_retain_graph_are_a_clear_error():
         loss.backward()
     for p, q in zip(reference.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class _LayerDrop(nn.Module):
+    """transformers' LayerDrop (BART, Whisper): ``if torch.rand([]) < layerdrop: skip``."""
+
+    def __init__(self, layerdrop: float) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.layerdrop = layerdrop
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            x = F.dropout(torch.tanh(layer(x)), 0.2, self.training)
+        return x
+
+
+def test_layerdrop_at_zero_is_decided_at_capture_and_exact():
+    """With ``layerdrop=0.0`` (transformers' default) the branch never skips: decided at capture
+    (rkgb.capture._DecidedDraws), the draws kept, so that the later dropout masks are eager's;
+    exact at the minimum. A layerdrop in (0, 1) is a real random branch: a CaptureError."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 16)
+    check_training(_LayerDrop(0.0), (x,), 0.0, at_minimum=True)
+    with pytest.raises(CaptureError, match="data-dependent"):
+        Rockmate(_LayerDrop(0.1), x, "1GB")
+
+
+class _ShiftRight(nn.Module):
+    """transformers' ``shift_tokens_right``: writes into a ``new_zeros`` built from an integer
+    input, then reads it (a static value: recomputed where read, with its writes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(64, 16), nn.Linear(16, 16)
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 2
+        shifted.masked_fill_(shifted == 5, 1)
+        return self.head(self.embedding(shifted)) + self.embedding(ids)
+
+
+def test_writes_into_a_static_value_are_recomputed_with_it():
+    """A reader of a static value written in place (``shifted[:, 0] = 2``) recomputes it with
+    the writes: before, it read the zeros (a silently wrong BART loss)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (3, 8), generator=torch.Generator().manual_seed(0))
+    check_training(_ShiftRight(), (ids,), 0.0, at_minimum=True)

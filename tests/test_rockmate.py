@@ -187,6 +187,31 @@ def test_transformers_gpt2_is_exact_and_under_budget():
     assert _check_exact(model, sample, 0.5, at_minimum_if_infeasible=True) is not None
 
 
+def test_transformers_bart_is_exact_and_under_budget():
+    """transformers' BART (an encoder-decoder, random init from a config, called with labels) at
+    50% of eager's peak: its LayerDrop draws (``torch.rand([]) < 0.0``, decided at capture) and
+    ``shift_tokens_right``'s writes into a ``new_zeros`` (static lines recomputed with the writes
+    where read) as eager: loss and gradients bitwise equal over 3 steps."""
+    transformers = pytest.importorskip("transformers")
+
+    class LossOf(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, labels):
+            return self.model(input_ids=ids, labels=labels, use_cache=False).loss
+
+    config = transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=1,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LossOf(transformers.BartForConditionalGeneration(config)).train()
+    generator = torch.Generator().manual_seed(0)
+    sample = (torch.randint(0, 64, (2, 12), generator=generator), torch.randint(0, 64, (2, 12), generator=generator))
+    assert _check_exact(model, sample, 0.5, at_minimum_if_infeasible=True) is not None
+
+
 class _StridedDropout(torch.nn.Module):
     """Dropouts on a model input, on a transposed (non-contiguous) activation and at a high
     rate: on CPU each is captured as a one-byte mask, its float noise and a product."""
