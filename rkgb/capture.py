@@ -223,7 +223,8 @@ _PASS_THROUGH_WRITES = {torch.ops.aten.add_.Tensor, torch.ops.aten.sub_.Tensor}
 
 
 def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varying: set[str],
-                        renamed: dict[str, str] | None = None, requiring: set[str] = frozenset()) -> int:
+                        renamed: dict[str, str] | None = None, requiring: set[str] = frozenset(),
+                        mutations: set[str] = frozenset()) -> int:
     """Run in place again the additions that the user's code runs in place on an intermediate
     result (``out += identity``; ``inplace`` from :func:`user_inplace_ops`), which
     functionalization made out of place: the functional op allocates a second activation where
@@ -236,7 +237,8 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varyi
     becomes a line of its input's node, whose island's engine call holds its incoming gradient
     to its end: only writes whose backward passes that gradient on (``add_``, ``sub_``) are
     restored, or any write where no autograd runs (nothing it reads is computed from the
-    placeholders that require grad, ``requiring``); an ``nn.ReLU(inplace=True)`` on values that
+    placeholders that require grad, ``requiring``; a user's output too, not a buffer's new value,
+    ``mutations``); an ``nn.ReLU(inplace=True)`` on values that
     require grad stays out of place (README, Known limits). Returns
     how many; ``renamed`` receives the old name -> new name of each (readers read the written
     tensor, as :func:`restore_inplace_writes` makes them)."""
@@ -264,8 +266,10 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varyi
                 or not any(inplace.get(name) is in_place for name in _origins(node)):
             continue
         x = node.args[0]
-        if any(user.op == "output" for user in node.users):
-            continue  # a new buffer value or an output: written where the graph says (exec.codegen)
+        if any(user.op == "output" for user in node.users) and (node.name in mutations or node in with_grad):
+            # a new buffer value (``mutations``: written where the graph says, exec.codegen), or
+            # an output that requires grad
+            continue
         # (x's earlier users may be writes restored here: out += identity, then out.relu_())
         if not isinstance(x, torch.fx.Node) or x.op != "call_function" or set(x.users) - writes != {node} \
                 or x not in depends:
@@ -569,7 +573,9 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
                if spec.kind in (InputKind.USER_INPUT, InputKind.PARAMETER)}
     requiring = {node.name for node in exported.graph.nodes if node.op == "placeholder" and node.name in varying
                  and getattr(node.meta.get("val"), "requires_grad", False)}
-    restore_inplace_ops(exported.graph, inplace, varying, renamed, requiring)
+    mutations = {renamed.get(spec.arg.name, spec.arg.name) for spec in exported.graph_signature.output_specs
+                 if spec.kind is not OutputKind.USER_OUTPUT}
+    restore_inplace_ops(exported.graph, inplace, varying, renamed, requiring, mutations)
     merge_regenerated_views(exported.graph, targets)
     views_as_reshapes(exported.graph)
     signature = exported.graph_signature

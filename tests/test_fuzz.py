@@ -188,10 +188,10 @@ def test_random_models_are_exact_and_within_budget(program, fraction):
 
 
 
-# gradients that a backward passes on (an add's to each of its inputs, a model input's among them)
-# share the storage of its own incoming gradient: the plan counts them once, as eager holds them
-# (these plans without recomputation were predicted one or two tensors above eager's peak)
-PASSED_ON = [
+# the plan without recomputation holds what eager holds: gradients that a backward passes on (an
+# add's to each of its inputs, a model input's among them) share the storage of its own incoming
+# gradient and are counted once (these plans were predicted one or two tensors above eager's peak)
+NO_RECOMPUTATION_AT_EAGER = [
     written([("add", [0, 0])], [0, 1], batch=3, seq=4, dim=16, input_requires_grad=True),
     written([("silu", [0]), ("add", [0, 1]), ("add", [2, 2])], [1, 3], batch=3, seq=6, dim=16, dtype=torch.float64,
             input_requires_grad=True),
@@ -200,11 +200,14 @@ PASSED_ON = [
     # the backward, after an add passed the input its own gradient (counted so, not less)
     written([("identity_view", [0]), ("sum_add", [0]), ("gelu", [1])], [2, 3], batch=2, seq=4, dim=16,
             dtype=torch.float64, input_requires_grad=True),
+    # an in-place product where no autograd runs, on the value returned (written in place, as
+    # eager does: 1.485x eager's peak before, the highest of fuzz seed 25)
+    written([("transpose_tanh", [0]), ("inplace_mul", [1, 1])], [2], batch=3, seq=6, dim=8),
 ]
 
 
-@pytest.mark.parametrize("program", PASSED_ON, ids=range(len(PASSED_ON)))
-def test_passed_on_gradients_are_counted_once(program):
+@pytest.mark.parametrize("program", NO_RECOMPUTATION_AT_EAGER, ids=range(len(NO_RECOMPUTATION_AT_EAGER)))
+def test_plans_without_recomputation_hold_what_eager_holds(program):
     import copy
 
     from exactness import DotLoss, eager_peak
