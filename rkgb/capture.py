@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch._inductor.config  # noqa: F401 - fallback_random, see capture()
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -478,6 +479,47 @@ class _DecidedDraws(TorchFunctionMode):
         return result
 
 
+@contextlib.contextmanager
+def _eager_paths():
+    """transformers' code takes other paths when it sees a compiler (``is_torchdynamo_compiling()``,
+    true under export): T5 then leaves out the all-ones attention mask that eager adds, whose
+    broadcast makes eager sum the layers' position-bias gradients at the batch's shape before
+    reducing them (a different rounding). While Rockmate captures, transformers is told that
+    nothing compiles, so that the graph is eager's."""
+    patched = []
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("transformers") and \
+                callable(getattr(module, "is_torchdynamo_compiling", None)):
+            patched.append((module, module.is_torchdynamo_compiling))
+            module.is_torchdynamo_compiling = _not_compiling
+    try:
+        yield patched
+    finally:
+        for module, original in patched:
+            module.is_torchdynamo_compiling = original
+
+
+def _not_compiling() -> bool:
+    return False
+
+
+def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringIO):
+    """``torch.export.export`` (non-strict) along eager's code paths (:func:`_eager_paths`);
+    where those branch on tensor values that export cannot follow (transformers' check that a
+    mask is all ones, which its compile paths skip: BERT, BART, OPT...), along the paths that
+    transformers takes under a compiler, which export was made for."""
+    with _eager_paths() as patched:
+        if not patched:
+            return torch.export.export(model, args, strict=False)
+        mark = printed.tell()
+        try:
+            return torch.export.export(model, args, strict=False)
+        except GuardOnDataDependentSymNode:
+            printed.seek(mark)  # the forward runs again: print its output once
+            printed.truncate()
+    return torch.export.export(model, args, strict=False)
+
+
 def _check_no_module_hooks(model: nn.Module) -> None:
     """Raise :class:`CaptureError` if a module has forward or backward hooks.
 
@@ -545,7 +587,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
                 contextlib.redirect_stdout(printed), _DecidedDraws():
             warnings.simplefilter("ignore", FutureWarning)
-            exported = torch.export.export(model, args, strict=False)
+            exported = _export_along_eager_paths(model, args, printed)
             inplace = user_inplace_ops(exported.graph)
             targets = {node.name: node.target for node in exported.graph.nodes}
             exported = exported.run_decompositions({})

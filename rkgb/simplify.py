@@ -406,6 +406,9 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
     input_derived: set[str] = set()
     parameter_derived: set[str] = set()
     parameters = set(captured.parameters)
+    trained = {node.name for node in graph.nodes if node.op == "placeholder" and node.name in parameters
+               and getattr(node.meta.get("val"), "requires_grad", False)}
+    trained_views: set[str] = set()  # static views of trained parameters
 
     for fx_node in graph.nodes:
         if fx_node.op == "placeholder":
@@ -428,6 +431,8 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         reads_integer_input = any(n.name in input_derived or (
             (owner.get(n.name) in model_inputs or n.name in input_views) and not _may_require_grad(n)) for n in inputs)
         reads_parameter = any(n.name in parameters or n.name in parameter_derived for n in inputs)
+        # a trained parameter, or a static view of one (``weight.t()``)
+        reads_trained = any(n.name in trained or n.name in trained_views for n in inputs)
 
         if kind is OpKind.SHAPE:
             if _is_data_dependent(fx_node) and (activation_inputs or reads_model_input):
@@ -464,6 +469,8 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
                     input_derived.add(fx_node.name)
                 if reads_parameter:
                     parameter_derived.add(fx_node.name)
+                if reads_trained and kind is not OpKind.INPLACE:
+                    trained_views.add(fx_node.name)
                 continue
             base_owner = owner.get(base.name)
             if base_owner is None:
@@ -516,9 +523,12 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         # static: reads no activation and nothing that can carry a gradient from the inputs;
         # values computed from integer inputs (read by every layer, e.g. an attention mask) are
         # recomputed where read instead of joining the layers into one block, unless they mix
-        # with parameters (an embedding is a node) or are returned
-        if not activation_inputs and not reads_model_input and not _is_random(fx_node) and not (
-                reads_integer_input and (reads_parameter or fx_node.name in captured.user_outputs)):
+        # with parameters (an embedding is a node) or are returned. An operation on a trained
+        # parameter is a node (T5's position bias, an embedding of constant buckets that every
+        # layer reads): recomputed in each reader, its backward would run once per reader, where
+        # eager sums the readers' gradients first (not bitwise: a scatter-add of each, summed)
+        if not activation_inputs and not reads_model_input and not _is_random(fx_node) and not reads_trained \
+                and not (reads_integer_input and (reads_parameter or fx_node.name in captured.user_outputs)):
             static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
             if reads_integer_input:
                 input_derived.add(fx_node.name)
@@ -673,13 +683,16 @@ def _group_views_of_results(graph: SimplifiedGraph) -> None:
             graph.grouped_views[line.name] = main.name
     # a view moved to its one reader (_move_views_to_their_reader) whose contribution would
     # reach the result's gradient before those of nodes made between the view and its reader
+    # (a view of a node's result: not of a static value that preludes recompute, an attention
+    # mask built with ``ones``, which gets no gradient)
+    made = {line.name: node.name for node in graph.nodes for line in [node.main] + node.body}
     for reader in graph.nodes:
         for line in reader.prelude:
             if classify(line) is not OpKind.VIEW or line.name in graph.grouped_views or not line.args \
-                    or not isinstance(line.args[0], torch.fx.Node) or line.args[0].name not in holder:
+                    or not isinstance(line.args[0], torch.fx.Node) or line.args[0].name not in made:
                 continue
             base = line.args[0]
-            owner = graph.node(holder[base.name])
+            owner = graph.node(made[base.name])
             if owner is reader:
                 continue
             between = any(holder.get(user.name) not in (None, owner.name, reader.name)

@@ -1,0 +1,108 @@
+"""transformers models, built from tiny configs (random init, never weights from a hub) and
+called as their users call them (keywords, labels, a ``ModelOutput`` with the loss): the loss
+and every parameter's gradient bitwise equal to eager's over two training steps, dropout on.
+
+The plan here is the one without recomputation (``solver="none"``): what is checked is the
+capture (the graph follows eager's code paths: ``rkgb.capture._eager_paths``), the graph
+builder and the executor on code that nobody here wrote; recomputation is checked on GPT-2 and
+BART in ``test_rockmate.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from rockmate import Rockmate  # noqa: E402
+
+VOCAB = 128
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, vocab_size=VOCAB,
+             max_position_embeddings=64)
+
+
+def _ids(shape=(2, 16), low=0):
+    return torch.randint(low, VOCAB, shape, generator=torch.Generator().manual_seed(0))
+
+
+def _causal(model):
+    return model, {"input_ids": _ids(), "labels": _ids(), "use_cache": False}
+
+
+def _masked(model, low=0):
+    return model, {"input_ids": _ids(low=low), "attention_mask": torch.ones(2, 16, dtype=torch.long),
+                   "labels": _ids()}
+
+
+T = transformers
+MODELS = {
+    "gpt2": lambda: _causal(T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64,
+                                                             vocab_size=VOCAB))),
+    "llama": lambda: _causal(T.LlamaForCausalLM(T.LlamaConfig(**SMALL, num_key_value_heads=2))),
+    "mistral": lambda: _causal(T.MistralForCausalLM(T.MistralConfig(**SMALL, num_key_value_heads=2))),
+    "qwen2": lambda: _causal(T.Qwen2ForCausalLM(T.Qwen2Config(**SMALL, num_key_value_heads=2))),
+    "gpt_neox": lambda: _causal(T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**SMALL))),
+    "phi": lambda: _causal(T.PhiForCausalLM(T.PhiConfig(**SMALL))),
+    # an attention mask built with `ones` that a view in the first layer reads (a static value)
+    "opt": lambda: _causal(T.OPTForCausalLM(T.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                        ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64,
+                                                        word_embed_proj_dim=32))),
+    "bert": lambda: _masked(T.BertForMaskedLM(T.BertConfig(**SMALL))),
+    "roberta": lambda: _masked(T.RobertaForMaskedLM(T.RobertaConfig(**SMALL, pad_token_id=1)), low=2),
+    "distilbert": lambda: _masked(T.DistilBertForMaskedLM(T.DistilBertConfig(
+        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64))),
+    # T5: eager adds an all-ones attention mask that its compile path leaves out (the position
+    # bias's gradients are then summed at the batch's shape); a position bias every layer reads
+    "t5": lambda: _causal(T.T5ForConditionalGeneration(T.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0))),
+    # BART, Whisper: LayerDrop in training (`torch.rand([]) < 0.0`, decided at capture)
+    "bart": lambda: _causal(T.BartForConditionalGeneration(T.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64))),
+    "whisper": lambda: (T.WhisperForConditionalGeneration(T.WhisperConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0)),
+        {"input_features": torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)),
+         "labels": _ids((2, 10), low=2), "use_cache": False}),
+    "vit": lambda: (T.ViTForImageClassification(T.ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=4,
+        num_labels=5)),
+        {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)),
+         "labels": torch.tensor([1, 3])}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_transformers_models_train_exactly(name):
+    torch.manual_seed(0)
+    model, call = MODELS[name]()
+    model.train()
+    compiled = Rockmate(copy.deepcopy(model), call, "10GB", solver="none", cost_model="flops")
+    for step in range(2):
+        torch.manual_seed(step)
+        ours = compiled(**call)
+        ours.loss.backward()
+        torch.manual_seed(step)
+        eager = model(**call)
+        eager.loss.backward()
+        assert type(ours) is type(eager)
+        assert torch.equal(ours.loss, eager.loss), f"step {step}: loss {ours.loss} against eager's {eager.loss}"
+        for (path, p), q in zip(compiled.model.named_parameters(), model.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"step {step}: {path}'s gradient"
+            assert p.grad is None or torch.equal(p.grad, q.grad), f"step {step}: {path}'s gradient differs"
+
+
+def test_a_kv_cache_output_names_use_cache():
+    """A model that returns its key/value cache (transformers' default ``use_cache=True``) is a
+    clear error that says to call it with ``use_cache=False``."""
+    from rockmate import CaptureError
+
+    model, call = MODELS["t5"]()
+    call = {key: value for key, value in call.items() if key != "use_cache"}
+    with pytest.raises(CaptureError, match="use_cache=False"):
+        Rockmate(model.train(), call, "10GB", solver="none")
