@@ -190,8 +190,18 @@ def solve_class_options(
     def bound(objective: str):
         """The min-peak or min-save solve. It sets the grid's range and the class's minimum
         budget, so one stopped by the time limit (a loaded machine) is retried with 5x the time."""
+        began = time.perf_counter()
         solution = solve_one(None, None, {"objective": objective})
         if solution.feasible and not solution.time_limit_hit:
+            return solution
+        # (not where the retry, as long as this solve and 5x its limit, would end past the
+        # grid's time limit: a block so big that writing and presolving its model take longer
+        # than the limit itself, where more time finds nothing either)
+        spent = time.perf_counter() - began
+        if grid_time_limit_s is not None and \
+                time.perf_counter() - start + spent + 4 * time_limit_s > grid_time_limit_s:
+            report.notes.append(f"min-{objective} solve hit its {time_limit_s} s limit ({spent:.1f} s in all); "
+                                "not retried: the retry would end past the grid's time limit")
             return solution
         retry = solve_one(None, None, {"objective": objective}, 5 * time_limit_s)
         report.notes.append(f"min-{objective} solve hit its {time_limit_s} s limit; retried with "

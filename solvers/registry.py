@@ -197,6 +197,8 @@ class ChainPlanner:
 
     def solve(self, chain: ModelChain, budget: int) -> Plan:
         plan = self._solve(chain, budget)
+        plan.notes += [note for _, options in self._classes.values() for note in options.notes
+                       if note.startswith(ROTOR_OPTIONS)]
         plan.timings.update(self.option_seconds)
         plan.timings["dp"] = self.dp_seconds
         return plan
@@ -289,6 +291,10 @@ class ChainPlanner:
         return high
 
 
+# the note of a class planned with Rotor's options by the Rockmate solver (RockmateSolver.max_ilp_computes)
+ROTOR_OPTIONS = "Rotor's options for class"
+
+
 @dataclass
 class RockmateSolver(ChainPlanner):
     """Rockmate: rk-Checkmate options for each class (a grid of budgets), then rk-Rotor."""
@@ -306,10 +312,22 @@ class RockmateSolver(ChainPlanner):
     # class keeps its lowest and fastest options, solved first); bounds planning time on
     # blocks of 60+ computes whose every ILP hits ``time_limit_s``. None: no cap
     grid_time_limit_s: float | None = 60.0
+    # a class with more computes gets Rotor's options (keep everything, or recompute the whole
+    # block): its ILP is too big to plan in time (T5's merged encoder-decoder class of 245
+    # computes: 205 s in the two bound solves alone, each far past its limit, and no option
+    # found). None: no limit
+    max_ilp_computes: int | None = 200
     reports: dict[int, GridReport] = field(default_factory=dict, repr=False)
     cache: OptionCache | None = field(default_factory=lambda: default_cache, repr=False)
 
     def class_options(self, chain: ModelChain, index: int) -> ClassOptions:
+        graph = chain.classes[index]
+        computes = len(graph.compute_nodes)
+        if self.max_ilp_computes is not None and computes > self.max_ilp_computes:
+            note = (f"{ROTOR_OPTIONS} {index} ({computes} computes, above max_ilp_computes="
+                    f"{self.max_ilp_computes}): keep everything, or recompute the whole block")
+            return ClassOptions(graph=graph, options=[autograd_option(graph)], no_grad=no_grad_forward(graph),
+                                notes=[note])
         settings = (self.peak_steps, self.save_steps, self.time_limit_s, self.ilp_solver,
                     self.forward_recompute, self.lazy_recompute, self.gap, self.grid_time_limit_s)
         report = GridReport()

@@ -133,3 +133,20 @@ def test_rockmate_option_grid_reports_its_work(chains):
     report = next(iter(solver.reports.values()))
     assert report.pairs == report.solved + report.reused + report.pruned_infeasible
     assert report.total_s > 0
+
+
+def test_a_class_too_big_for_the_ilp_gets_rotors_options():
+    """Above ``max_ilp_computes`` a class is planned as Rotor plans it (keep everything, or
+    recompute the whole block), said in the plan's notes; the plan is exact and within budget
+    as any (T5's merged class of 245 computes spent minutes in its ILP's first solves)."""
+    from exactness import check_training
+    from rkgb.build import build
+    from solvers import registry
+    from zoo import ZOO
+
+    model, sample = ZOO["gpt"].build()
+    report = check_training(model, sample, 0.8, "rockmate", steps=2, max_ilp_computes=5, at_minimum=True)
+    assert any(note.startswith("Rotor's options for class") for note in report.compiled.plan.notes)
+    chain = build(model, sample, cost_model="flops").model_chain
+    small = registry.min_budget(chain, "rockmate", max_ilp_computes=5, peak_steps=3, save_steps=3)
+    assert small == registry.min_budget(chain, "rotor")
