@@ -247,7 +247,7 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varyi
     for node in graph.nodes:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
-            key = _storage_key(value)
+            key = storage_identity(value)
             if key is not None:
                 storages[key] = storages.get(key, 0) + 1
     restored = 0
@@ -278,7 +278,7 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varyi
         before, after = x.meta.get("val"), node.meta.get("val")
         if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)) \
                 or before.shape != after.shape or before.dtype != after.dtype or before.stride() != after.stride() \
-                or storages.get(_storage_key(before), 0) != 1:
+                or storages.get(storage_identity(before), 0) != 1:
             continue
         with graph.inserting_before(node):
             write = graph.call_function(in_place, node.args, node.kwargs)
@@ -325,10 +325,14 @@ def merge_regenerated_views(graph: torch.fx.Graph, targets: dict[str, object]) -
     return merged
 
 
-def _storage_key(value: torch.Tensor) -> object | None:
+def storage_identity(value) -> object | None:
+    """The identity of a (fake) tensor's storage, to tell aliases apart; None for a value that
+    is not a tensor or has no storage."""
+    if not isinstance(value, torch.Tensor):
+        return None
     try:
         return value.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):
+    except (NotImplementedError, RuntimeError):  # a tensor without storage
         return None
 
 
@@ -463,6 +467,7 @@ class _DecidedDraws(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.draws: dict[int, weakref.ref] = {}  # by id: a tensor's == would be traced
+        self.undecided: list[str] = []  # the comparisons it could not decide (for the error)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -473,6 +478,7 @@ class _DecidedDraws(TorchFunctionMode):
             decided = _DECIDED[name](args[1])
             if decided is not None:
                 return decided
+            self.undecided.append(f"a random draw {name} {args[1]!r}")
         result = func(*args, **kwargs)
         if func is torch.rand and isinstance(result, torch.Tensor) and result.numel() == 1:
             self.draws[id(result)] = weakref.ref(result)
@@ -584,8 +590,9 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     try:
         # random ops whose results are unused still advance the generator in eager: the
         # export's dead-code elimination keeps them only when told that randomness is an effect
+        draws = _DecidedDraws()
         with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
-                contextlib.redirect_stdout(printed), _DecidedDraws():
+                contextlib.redirect_stdout(printed), draws:
             warnings.simplefilter("ignore", FutureWarning)
             exported = _export_along_eager_paths(model, args, printed)
             inplace = user_inplace_ops(exported.graph)
@@ -594,10 +601,15 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     except Exception as error:  # torch raises many types; we re-raise one with context
         reason = str(error).strip().splitlines()
         summary = "\n".join(reason[:12])
+        hint = ""
+        if draws.undecided and isinstance(error, GuardOnDataDependentSymNode):
+            hint = (f"\nThe forward branches on {draws.undecided[-1]} (a LayerDrop, as in transformers' "
+                    "BART and Whisper?): which layers run is random, a graph cannot follow it; set the drop "
+                    "probability to 0 (e.g. config.encoder_layerdrop = config.decoder_layerdrop = 0.0).")
         raise CaptureError(
             f"torch.export could not capture {_model_name(model)}: {type(error).__name__}: "
             f"{summary}\nRockmate needs a model that torch.export.export(model, sample, "
-            "strict=False) accepts (no data-dependent control flow on tensor values)."
+            f"strict=False) accepts (no data-dependent control flow on tensor values).{hint}"
         ) from error
     finally:
         sys.stdout.write(printed.getvalue())  # the user's prints, where they would have gone

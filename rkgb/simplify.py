@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from .capture import CapturedGraph
+from .capture import CapturedGraph, storage_identity
 from .errors import UnsupportedOperation, describe_fx_node
 
 __all__ = ["OpKind", "classify", "SimplifiedNode", "SimplifiedGraph", "simplify", "GradientNeeds", "gradient_needs", "NO_GRADIENT"]
@@ -83,22 +83,13 @@ def _is_data_dependent(node: torch.fx.Node) -> bool:
         return False
 
 
-def _storage_of(value) -> object | None:
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return value.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):  # a tensor without storage
-        return None
-
-
 def _traced_alias(node: torch.fx.Node) -> torch.fx.Node | None:
     """The argument whose storage the traced (fake) result shares, if any."""
-    result = _storage_of(node.meta.get("val"))
+    result = storage_identity(node.meta.get("val"))
     if result is None:
         return None
     for argument in _input_nodes(node):
-        if _storage_of(argument.meta.get("val")) == result:
+        if storage_identity(argument.meta.get("val")) == result:
             return argument
     return None
 
