@@ -238,11 +238,11 @@ def restore_inplace_ops(graph: torch.fx.Graph, inplace: dict[str, object], varyi
     becomes a line of its input's node, whose island's engine call holds its incoming gradient
     to its end: only writes whose backward passes that gradient on (``add_``, ``sub_``) are
     restored, or any write where no autograd runs (nothing it reads is computed from the
-    placeholders that require grad, ``requiring``; a user's output too, not a buffer's new value,
-    ``mutations``); an ``nn.ReLU(inplace=True)`` on values that
-    require grad stays out of place (README, Known limits). Returns
-    how many; ``renamed`` receives the old name -> new name of each (readers read the written
-    tensor, as :func:`restore_inplace_writes` makes them)."""
+    placeholders that require grad, ``requiring``), a user's output included but not a buffer's
+    new value (``mutations``); an ``nn.ReLU(inplace=True)`` on values that require grad stays
+    out of place (README, Known limits). Returns how many; ``renamed`` receives the old name ->
+    new name of each (readers read the written tensor, as :func:`restore_inplace_writes` makes
+    them)."""
     storages: dict[object, int] = {}
     for node in graph.nodes:
         value = node.meta.get("val")
@@ -587,10 +587,10 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     args = as_input_tuple(sample)
     _check_no_module_hooks(model)
     printed = io.StringIO()  # what the forward prints while it is traced (see below)
+    draws = _DecidedDraws()
     try:
         # random ops whose results are unused still advance the generator in eager: the
         # export's dead-code elimination keeps them only when told that randomness is an effect
-        draws = _DecidedDraws()
         with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
                 contextlib.redirect_stdout(printed), draws:
             warnings.simplefilter("ignore", FutureWarning)

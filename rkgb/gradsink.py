@@ -36,11 +36,11 @@ class GradSink:
     With a :class:`GradientQueue`, a contribution waits in it until the backward that made it
     has let go of its own incoming gradient and saved tensors (:meth:`GradientQueue.flush`), as
     eager's engine adds a node's outputs into the next buffers only after releasing its inputs.
-    ``keys``, when the inspection sets it to a list, records the storage of each contribution
-    (to tell an alias of the incoming gradient) and ``last_bytes`` is the last one's bytes (a slice of a bigger tensor holds all
-    of it); ``first_shared``: the first contribution (the gradient)
-    shares its storage with another tensor (a view's base), so that the next one is not added
-    into it in place (for the inspection).
+    For the inspection: ``keys``, when it is set to a list, records the storage of each
+    contribution (to tell an alias of the incoming gradient); ``last_bytes`` is the last one's
+    bytes (a slice of a bigger tensor holds all of it); ``first_shared``: the first contribution
+    (the gradient) shares its storage with another tensor (a view's base), so that the next one
+    is not added into it in place.
     """
 
     __slots__ = ("leaf", "node", "calls", "keys", "last_bytes", "first_shared", "__weakref__")

@@ -326,8 +326,7 @@ class RockmateSolver(ChainPlanner):
         if self.max_ilp_computes is not None and computes > self.max_ilp_computes:
             note = (f"{ROTOR_OPTIONS} {index} ({computes} computes, above max_ilp_computes="
                     f"{self.max_ilp_computes}): keep everything, or recompute the whole block")
-            return ClassOptions(graph=graph, options=[autograd_option(graph)], no_grad=no_grad_forward(graph),
-                                notes=[note])
+            return rotor_options(graph, notes=[note])
         settings = (self.peak_steps, self.save_steps, self.time_limit_s, self.ilp_solver,
                     self.forward_recompute, self.lazy_recompute, self.gap, self.grid_time_limit_s)
         report = GridReport()
@@ -360,8 +359,14 @@ class RotorSolver(ChainPlanner):
     name: str = "rotor"
 
     def class_options(self, chain: ModelChain, index: int) -> ClassOptions:
-        graph = chain.classes[index]
-        return ClassOptions(graph=graph, options=[autograd_option(graph)], no_grad=no_grad_forward(graph))
+        return rotor_options(chain.classes[index])
+
+
+def rotor_options(graph, notes: list[str] | None = None) -> ClassOptions:
+    """Rotor's options of a class: keep everything (autograd), or, through its forward without
+    grad, nothing (the whole block recomputed in the backward)."""
+    return ClassOptions(graph=graph, options=[autograd_option(graph)], no_grad=no_grad_forward(graph),
+                        notes=list(notes or []))
 
 
 # -- whole-graph solvers ------------------------------------------------------------------------
