@@ -47,9 +47,14 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
         input_data.append(dname(INPUT_NAME, D))
         if measure.input_requires_grad:
             data.append(_grad_node(INPUT_NAME, measure.input_grad_parts))
-    sizes = {INPUT_NAME: measure.input_bytes}
-    sizes.update({n.name: n.data_bytes for n in measure.nodes})
+    # side inputs (rkgb.blocks): inputs of the block besides its chain input, never freed here
+    for side in measure.side_inputs:
+        data.append(DataNode(dname(side.name, D), D, side.name, side.data_bytes))
+        input_data.append(dname(side.name, D))
+        if side.requires_grad:
+            data.append(_grad_node(side.name, side.grad_parts))
     grad_exists = {n.name for n in measure.nodes if n.requires_grad}
+    grad_exists.update(side.name for side in measure.side_inputs if side.requires_grad)
     if measure.input_requires_grad:
         grad_exists.add(INPUT_NAME)
     for node in measure.nodes:
@@ -99,12 +104,15 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                     },
                 ),
             )
-    _drop_lasting_aliases(backwards, dname(INPUT_NAME, G))
+    boundary = ([INPUT_NAME] if measure.input_requires_grad else []) + \
+        [side.name for side in measure.side_inputs if side.requires_grad]
+    for name in boundary:
+        _drop_lasting_aliases(backwards, dname(name, G))
     output_data = [dname(o, D) for o in measure.outputs]
     output_grads = [dname(o, G) for o in measure.outputs if o in grad_exists]
-    if measure.input_requires_grad:
-        if any(dname(INPUT_NAME, G) in b.produces for b in backwards):
-            input_grads.append(dname(INPUT_NAME, G))
+    for name in boundary:
+        if any(dname(name, G) in b.produces for b in backwards):
+            input_grads.append(dname(name, G))
     loss = ComputeNode(
         name=cname("loss", ComputeKind.LOSS),
         kind=ComputeKind.LOSS,
@@ -123,6 +131,7 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
         data_nodes=data,
         input_data=input_data,
         input_grads=input_grads,
+        side_data=[dname(side.name, D) for side in measure.side_inputs],
         output_data=output_data,
         output_grads=output_grads,
     )
@@ -355,7 +364,7 @@ def _count_repeated_outputs(graph: CDGraph, simplified: SimplifiedGraph, last: B
 
 
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3,
-          grad_accumulation: bool = True) -> ModelGraphs:
+          grad_accumulation: bool = True, max_block_nodes: int | None = 40) -> ModelGraphs:
     """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
 
     Args:
@@ -365,6 +374,7 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
             (deterministic, for tests).
         grad_accumulation: count the sums of shared parameters' gradients that a step
             accumulating into ``.grad`` makes (:func:`first_run_bytes`).
+        max_block_nodes: split bigger blocks with side inputs (:func:`rkgb.blocks.cut_chain`).
     """
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -376,7 +386,7 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     layouts = gradient_layouts(simplified, model, sample)
     simplified.gradient_receivers = None if layouts is None else set(layouts)
     needs = gradient_needs(simplified, global_requires_grad(simplified, model, sample))
-    chain = cut_chain(simplified, needs)
+    chain = cut_chain(simplified, needs, max_block_nodes)
     seconds["simplify_and_cut"] = time.perf_counter() - clock
     clock = time.perf_counter()
     measures = inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats,
@@ -387,7 +397,10 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     if chain.blocks:
         _count_repeated_outputs(classes[chain.blocks[-1].class_index], simplified, chain.blocks[-1], needs)
     instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
-    model_chain = ModelChain(classes=classes, blocks=instances, held_bytes=held_bytes(simplified, model))
+    last_nodes = set(chain.blocks[-1].nodes) if chain.blocks else set()
+    early = [dname(name, DataKind.DATA) for name in simplified.output_owners if name not in last_nodes]
+    model_chain = ModelChain(classes=classes, blocks=instances, held_bytes=held_bytes(simplified, model),
+                             early_outputs=list(dict.fromkeys(early)))
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}
     entries = first_run_bytes(simplified, model, sample, grad_accumulation)
     model_chain.first_run_bytes = {name: entries for name, entries in _input_grad_aliases(entries, measures, instances).items()

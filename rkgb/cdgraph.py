@@ -159,7 +159,9 @@ class CDGraph:
     the loss, then the backwards in reverse topological order. ``input_data`` are alive at the
     start and owned by whoever comes before (the previous block): they are never freed here.
     ``input_grads`` are produced by this graph's backwards for the previous block. The loss
-    needs ``output_data`` and produces ``output_grads``.
+    needs ``output_data`` and produces ``output_grads``. ``side_data``: the input data that are
+    side inputs (tensors of earlier blocks besides the chain's input, ``rkgb.blocks``), which
+    the chain keeps alive for later blocks too.
     """
 
     name: str
@@ -169,6 +171,12 @@ class CDGraph:
     input_grads: list[str] = field(default_factory=list)
     output_data: list[str] = field(default_factory=list)
     output_grads: list[str] = field(default_factory=list)
+    side_data: list[str] = field(default_factory=list)
+
+    @property
+    def chain_input_data(self) -> list[str]:
+        """The input data but the side inputs: what the previous block's output is."""
+        return [d for d in self.input_data if d not in self.side_data]
 
     def __post_init__(self) -> None:
         self._compute = {node.name: node for node in self.compute_nodes}
@@ -240,6 +248,7 @@ class CDGraph:
             input_grads=[rename_data(d) for d in self.input_grads],
             output_data=[rename_data(d) for d in self.output_data],
             output_grads=[rename_data(d) for d in self.output_grads],
+            side_data=[rename_data(d) for d in self.side_data],
         )
 
     # -- invariants ----------------------------------------------------------------------
@@ -299,6 +308,8 @@ class CDGraph:
         for d in self.input_data + self.input_grads + self.output_data + self.output_grads:
             if d not in self._data:
                 raise CDGraphError(f"{self.name}: interface data node {d!r} is not in the graph")
+        if not set(self.side_data) <= set(self.input_data):
+            raise CDGraphError(f"{self.name}: side inputs {self.side_data} must be input data")
         for d in self.input_data:
             if self.producers(d):
                 raise CDGraphError(f"{self.name}: input data {d!r} must not be produced inside the block")
@@ -435,6 +446,9 @@ class ModelChain:
     blocks: list[BlockInstance]
     held_bytes: int = 0
     first_run_bytes: dict[str, tuple[FirstRun, ...]] = field(default_factory=dict)
+    # the model's outputs (data nodes, real names) that blocks before the last make: the user
+    # holds them to the end of the step and the loss gives them gradients (rkgb.blocks)
+    early_outputs: list[str] = field(default_factory=list)
 
     def first_run_reserve(self) -> int:
         """An upper bound of the first-run memory alive at any time: every key's bytes, plus
@@ -479,12 +493,19 @@ class ModelChain:
             for d in g.data_nodes:
                 data.setdefault(d.name, d)
         last = graphs[-1]
+        output_data = list(self.early_outputs) + list(last.output_data)
+        early_grads = [data_name(data[d].target, DataKind.GRAD) for d in self.early_outputs]
+        output_grads = [g for g in early_grads if g in data] + list(last.output_grads)
+        loss = dataclasses.replace(
+            last.loss, needs=output_data, produces=output_grads,
+            shared={**last.loss.shared, **{g: tuple(range(len(data[g].part_sizes))) for g in output_grads
+                                           if g not in last.output_grads}})
         return CDGraph(
             name="model",
-            compute_nodes=forwards + [last.loss] + backwards,
+            compute_nodes=forwards + [loss] + backwards,
             data_nodes=list(data.values()),
             input_data=list(graphs[0].input_data),
             input_grads=list(graphs[0].input_grads),
-            output_data=list(last.output_data),
-            output_grads=list(last.output_grads),
+            output_data=output_data,
+            output_grads=output_grads,
         )

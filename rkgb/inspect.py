@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .blocks import Block, Chain
+from .blocks import Block, Chain, side_name
 from .capture import as_input_tuple, device_of
 from .interpret import global_requires_grad, initial_environment, run_lines, tensor_args
 from .memory import measure_allocator_peak
@@ -93,6 +93,17 @@ class NodeMeasure:
 
 
 @dataclass
+class SideInputMeasure:
+    """A side input of a class (``side0``...: a tensor of an earlier block that the block reads
+    besides its chain input, ``rkgb.blocks``): its bytes and its gradient's parts, if any."""
+
+    name: str
+    data_bytes: int
+    requires_grad: bool
+    grad_parts: list[int] = field(default_factory=list)
+
+
+@dataclass
 class BlockMeasure:
     """Measures of one class, in anonymized names (``in`` for the block's input)."""
 
@@ -103,6 +114,7 @@ class BlockMeasure:
     outputs: list[str]
     has_input: bool
     input_grad_parts: list[int] = field(default_factory=list)
+    side_inputs: list[SideInputMeasure] = field(default_factory=list)
 
 
 class _Clock:
@@ -198,8 +210,9 @@ def inspect_chain(
         for dep in node.data_deps:
             last_use[dep] = i
     for block in chain.blocks:
-        if block.index in representatives and block.input_node is not None:
-            last_use[block.input_node] = max(last_use.get(block.input_node, 0), position[block.nodes[-1]])
+        if block.index in representatives:
+            for name in ([block.input_node] if block.input_node is not None else []) + block.side_inputs:
+                last_use[name] = max(last_use.get(name, 0), position[block.nodes[-1]])
 
     saved_grads = {p: p.grad for p in model.parameters()}
     if layouts is None:
@@ -289,6 +302,9 @@ def _inspect_blocks(graph, chain, model, sample, device, needs, clock, represent
                         # the repeated blocks, so that inspection does not grow with depth
                         for later in remaining:
                             _synthesize_input(graph, chain, later, env, device, strides)
+                            for side in later.side_inputs:
+                                if not all(o.fx_name in env for o in graph.node(side).outputs):
+                                    _synthesize_node(graph, chain, side, env, device, strides, later.index)
                             measures[representatives[later.index]] = _inspect_block(
                                 graph, later, env, model, clock, device, representatives[later.index], layouts, needs, input_sinks, queue,
                                 strides, received)
@@ -309,7 +325,8 @@ def _inspect_blocks(graph, chain, model, sample, device, needs, clock, represent
 def _floating_input(graph: SimplifiedGraph, block: Block) -> bool:
     if block.input_node is None:
         return False
-    return all(o.dtype.is_floating_point for o in graph.node(block.input_node).outputs)
+    return all(o.dtype.is_floating_point for name in [block.input_node] + block.side_inputs
+               for o in graph.node(name).outputs)
 
 
 def _record_strides(node: SimplifiedNode, env, strides: dict[str, tuple[int, ...]]) -> None:
@@ -330,13 +347,19 @@ def _synthesize_input(graph: SimplifiedGraph, chain: Chain, block: Block, env, d
     its input's layout), else the traced one (the export's meta functions, which may differ
     from the kernels': a CPU batch norm of a transposed input returns a contiguous result).
     """
-    node = graph.node(block.input_node)
-    producer = chain.blocks[block.index - 1]
+    _synthesize_node(graph, chain, block.input_node, env, device, strides, block.index)
+
+
+def _synthesize_node(graph: SimplifiedGraph, chain: Chain, name: str, env, device,
+                     strides: dict[str, tuple[int, ...]], seed: int) -> None:
+    """Random values for node ``name``'s results and views (:func:`_synthesize_input`)."""
+    node = graph.node(name)
+    producer = next(b for b in chain.blocks if name in b.nodes)
     twin_block = chain.blocks[chain.classes[producer.class_index].representative]
     twin = None
     if node.name in producer.nodes:
         twin = graph.node(twin_block.nodes[producer.nodes.index(node.name)])
-    generator = torch.Generator(device=device).manual_seed(block.index)
+    generator = torch.Generator(device=device).manual_seed(seed)
     traced = {line.name: line.meta.get("val") for line in node.lines}
     for i, output in enumerate(node.outputs):
         value = torch.randn(output.shape, dtype=output.dtype, device=device, generator=generator)
@@ -553,7 +576,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         its outputs') counts the storage it holds, a bigger one where it is a slice (the chain's
         figures cannot share a storage between blocks, see ``rkgb.build._drop_lasting_aliases``);
         inside the block, such a slice is an alias of the gradient it is cut from."""
-        crossing = name == block.input_node or name in block.output_nodes
+        crossing = name == block.input_node or name in block.output_nodes or name in block.side_inputs
         return [_held_bytes(leaf, layouts.get(fx_name) if crossing else None)
                 for (leaf, _), fx_name in zip(grad_leaves.get(name, []), grad_names.get(name, []))]
 
@@ -567,6 +590,14 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         input_requires_grad = bool(grad_leaves[input_node.name])
         input_grad_parts = part_sizes(input_node.name)
         grad_parts_of[input_node.name] = input_grad_parts
+    side_measures = []
+    for index, side in enumerate(block.side_inputs):
+        side_node = graph.node(side)
+        names = graph.exported(side_node)
+        make_leaves(side_node, names, [outer_env[n] for n in names])
+        grad_parts_of[side] = part_sizes(side)
+        side_measures.append(SideInputMeasure(side_name(index), sum(o.size_bytes for o in side_node.outputs),
+                                              bool(grad_leaves[side]), grad_parts_of[side]))
 
     results: list[NodeMeasure] = []
     with _PeakMeter(device) as meter:
@@ -734,6 +765,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         input_requires_grad=input_requires_grad,
         outputs=[anonymous[n] for n in block.output_nodes],
         has_input=block.input_node is not None,
+        side_inputs=side_measures,
     )
 
 

@@ -70,6 +70,7 @@ class SavedTensors:
     def __init__(self) -> None:
         self._owner: dict[int, tuple[str, int]] = {}  # storage key -> (node, output index)
         self._data: dict[str, Sequence[torch.Tensor]] = {}  # node -> its current outputs
+        self._keys: dict[str, list[int]] = {}  # node -> the storage keys registered for it
         self._globals: set[int] = set()
         self._phantoms: dict[str, list[Packed]] = {}
         self._references: dict[str, set[str]] = {}
@@ -86,17 +87,21 @@ class SavedTensors:
         """``outputs`` are now the current data of ``node`` (after a computation)."""
         self.unregister_data(node)
         self._data[node] = outputs
+        keys = []
         for index, tensor in enumerate(outputs):
             if tensor.numel():
-                self._owner[storage_key(tensor)] = (node, index)
+                keys.append(storage_key(tensor))
+                self._owner[keys[-1]] = (node, index)
+        self._keys[node] = keys
 
     def unregister_data(self, node: str) -> None:
-        """The data of ``node`` is forgotten: its storages may be reused by the allocator."""
-        old = self._data.pop(node, None)
-        if old is None:
-            return
-        for tensor in old:
-            key = storage_key(tensor)
+        """The data of ``node`` is forgotten: its storages may be reused by the allocator.
+
+        The keys are those registered, not those of the tensors now: the executor recomputes
+        a node into the same leaf objects (``leaf.data = new``), so that the leaves hold the
+        new storages by then while the old ones, freed, may come back as another tensor's."""
+        self._data.pop(node, None)
+        for key in self._keys.pop(node, ()):
             if self._owner.get(key, (None,))[0] == node:
                 del self._owner[key]
 

@@ -47,15 +47,19 @@ class BuildOptions:
     over micro-batches, as eager's engine does): one parameter-sized buffer during the backward.
     ``False`` leaves it out (a smaller budget where gradients are zeroed before every step); a
     step that then finds values in such a ``.grad`` raises instead of going over the budget.
+    ``max_block_nodes``: blocks bigger than this are split where a tensor that many of their
+    layers read (an encoder's output, a position bias) is all that joins them, by making it a
+    side input (``rkgb.blocks``); None keeps the blocks that 1-separators alone give.
     """
 
     cost_model: str = "measured"
     repeats: int = 3
     grad_accumulation: bool = True
+    max_block_nodes: int | None = 40
 
 
 def _split_options(options: dict) -> tuple[BuildOptions, dict]:
-    build_keys = {"cost_model", "repeats", "grad_accumulation"}
+    build_keys = {"cost_model", "repeats", "grad_accumulation", "max_block_nodes"}
     build_options = BuildOptions(**{k: v for k, v in options.items() if k in build_keys})
     return build_options, {k: v for k, v in options.items() if k not in build_keys}
 
@@ -75,7 +79,8 @@ def _train_mode(model: nn.Module):
 def _build_graphs(model: nn.Module, sample, build_options: BuildOptions) -> ModelGraphs:
     with _train_mode(model):
         return build(model, sample, cost_model=build_options.cost_model, repeats=build_options.repeats,
-                     grad_accumulation=build_options.grad_accumulation)
+                     grad_accumulation=build_options.grad_accumulation,
+                     max_block_nodes=build_options.max_block_nodes)
 
 
 class Rockmate(nn.Module):

@@ -21,6 +21,7 @@ of class operations to a block's real names.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from rkgb.cdgraph import CDGraph, ComputeKind, ModelChain, compute_name
@@ -160,13 +161,15 @@ def no_grad_forward(graph: CDGraph) -> NoGradForward:
     )
 
 
-def with_outputs_kept(graph: CDGraph, option: BlockOption) -> BlockOption:
-    """The variant of ``option`` for the model's last block: its outputs are never forgotten
-    (the user holds them)."""
-    outputs = set(graph.output_data)
+def with_outputs_kept(graph: CDGraph, option: BlockOption, outputs: set[str] | None = None) -> BlockOption:
+    """The variant of ``option`` for a block that makes model outputs: ``outputs`` (all of
+    the graph's for the model's last block) are never forgotten (the user holds them)."""
+    outputs = set(graph.output_data) if outputs is None else outputs
     forward = [op for op in option.forward_ops if not (isinstance(op, Forget) and op.node in outputs)]
     backward = [op for op in option.backward_ops if not (isinstance(op, Forget) and op.node in outputs)]
     schedule = Schedule(forward + [Compute("loss")] + backward)
+    if outputs != set(graph.output_data):
+        graph = dataclasses.replace(graph, output_data=[d for d in graph.output_data if d in outputs])
     kept = option_from_schedule(graph, schedule, keep_outputs=True, source=option.source)
     kept.time_limit_hit = option.time_limit_hit
     return kept

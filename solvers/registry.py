@@ -98,6 +98,51 @@ def _infeasible(chain: ModelChain, budget: int, name: str, minimum: int, **field
     )
 
 
+def _real_data(data: str, names: dict[str, str]) -> str:
+    """The real name of a class graph's data node in a block named by ``names``."""
+    target, _, kind = data.rpartition(".")
+    return f"{names.get(target, target)}.{kind}"
+
+
+def side_offsets(chain: ModelChain) -> list[int]:
+    """Bytes that each block's figures leave out and the chain holds while the block runs: the
+    side inputs (``rkgb.blocks``) and the model's outputs made by earlier blocks, alive from
+    their block on, and the side inputs' gradients, which the blocks that read them make
+    (counted over all of those blocks, their forwards too: a recomputation runs while the
+    gradient is there)."""
+    offsets = [0] * len(chain.blocks)
+    made_by: dict[str, int] = {}
+    for block in chain.blocks:
+        graph = chain.classes[block.class_index]
+        for c in graph.forward_nodes():
+            for d in c.produces:
+                made_by.setdefault(_real_data(d, block.names), block.index)
+    readers: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    grad_sizes: dict[str, int] = {}
+    for block in chain.blocks:
+        graph = chain.classes[block.class_index]
+        for d in graph.side_data:
+            real = _real_data(d, block.names)
+            readers.setdefault(real, []).append(block.index)
+            sizes[real] = graph.size(d)
+            grad = d.rpartition(".")[0] + ".grad"
+            if grad in graph.input_grads:
+                grad_sizes[real] = max(grad_sizes.get(real, 0), graph.size(grad))
+    whole = None
+    for real in chain.early_outputs:
+        if real not in sizes:
+            whole = whole or chain.whole_graph()
+            sizes[real] = whole.size(real)
+    for real, size in sizes.items():
+        producer = made_by.get(real, -1)
+        for index in range(producer + 1, len(chain.blocks)):
+            offsets[index] += size
+        for index in range(producer + 1, max(readers.get(real, [producer])) + 1):
+            offsets[index] += grad_sizes.get(real, 0)
+    return offsets
+
+
 def _progress(items, description: str):
     """``items`` with a progress bar on a terminal (tqdm, where installed; none in logs)."""
     try:
@@ -141,22 +186,28 @@ class ChainPlanner:
             self._options_of(chain, index)
             self.option_seconds[f"options of class {index} ({len(chain.classes[index].compute_nodes)} computes)"] = \
                 time.perf_counter() - clock
+        offsets = side_offsets(chain)
+        early = set(chain.early_outputs)
         for block in chain.blocks:
             options = self._options_of(chain, block.class_index)
             graph = chain.classes[block.class_index]
-            if block.index == last:
-                if block.class_index not in last_variants:
-                    last_variants[block.class_index] = [with_outputs_kept(graph, o) for o in options.options]
-                block_options = last_variants[block.class_index]
+            held = frozenset(d for d in graph.output_data if _real_data(d, block.names) in early)
+            if block.index == last or held:
+                key = (block.class_index, block.index == last, held)
+                if key not in last_variants:
+                    last_variants[key] = [with_outputs_kept(graph, o, None if block.index == last else set(held))
+                                          for o in options.options]
+                block_options = last_variants[key]
             else:
                 block_options = options.options
             per_block.append(block_options)
+            offset = offsets[block.index]
             blocks.append(
                 BlockCosts(
                     options=[
                         OptionCosts(
-                            o.forward_peak_bytes,
-                            o.backward_peak_bytes,
+                            o.forward_peak_bytes + offset,
+                            o.backward_peak_bytes + offset,
                             o.saved_bytes,
                             o.end_bytes,
                             o.forward_time_s,
@@ -164,15 +215,15 @@ class ChainPlanner:
                         )
                         for o in block_options
                     ],
-                    no_grad_peak=options.no_grad.peak_bytes,
+                    no_grad_peak=options.no_grad.peak_bytes + offset,
                     no_grad_time=options.no_grad.time_s,
                     output_bytes=sum(graph.size(d) for d in graph.output_data),
                     output_grad_bytes=sum(graph.size(d) for d in graph.output_grads),
-                    class_key=block.class_index,
+                    class_key=(block.class_index, offset, held),
                 )
             )
         loss = chain.classes[chain.blocks[last].class_index].loss
-        return ChainCosts(blocks, loss_time=loss.time_s, loss_overhead=loss.overhead_bytes), per_block
+        return ChainCosts(blocks, loss_time=loss.time_s, loss_overhead=loss.overhead_bytes + offsets[last]), per_block
 
     def instantiate(self, chain: ModelChain, per_block: list[list[BlockOption]], actions: list[ChainAction]) -> Schedule:
         """The whole-model schedule of a chain strategy (real node names)."""
@@ -190,9 +241,12 @@ class ChainPlanner:
             elif a.kind == "no_grad":
                 ops += rename_operations(graph, self._options_of(chain, block.class_index).no_grad.ops, block.names)
                 if a.forget_input:
-                    ops += rename_operations(graph, [Forget(d) for d in graph.input_data], block.names)
+                    ops += rename_operations(graph, [Forget(d) for d in graph.chain_input_data], block.names)
             elif a.kind == "forget_output":
-                ops += rename_operations(graph, [Forget(d) for d in graph.output_data], block.names)
+                # not the model's outputs that the user holds (rkgb.blocks: made before the last block)
+                ops += rename_operations(graph, [Forget(d) for d in graph.output_data
+                                                 if _real_data(d, block.names) not in set(chain.early_outputs)],
+                                         block.names)
         return Schedule(ops)
 
     def solve(self, chain: ModelChain, budget: int) -> Plan:
