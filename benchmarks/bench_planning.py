@@ -5,8 +5,9 @@ entries of the first build).
     .venv/bin/python benchmarks/bench_planning.py                      # every model below
     .venv/bin/python benchmarks/bench_planning.py --models gpt2 llama  # some
 
-Models: the zoo's bench GPT, and transformers models from tiny configs (random init, called
-with keywords and labels as their users call them). One intra-op thread; measured costs (the
+Models: the zoo's bench GPT, and transformers models from tiny configs (4 layers, or 4 + 4 for
+the encoder-decoders T5, BART and Whisper; d=64; random init, called with keywords and labels
+as their users call them). ``--max-block-nodes 0``: without side inputs (``rkgb.blocks``). One intra-op thread; measured costs (the
 default cost model). The cache directory is a temporary one, so that the first build solves.
 """
 
@@ -25,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from rockmate import Rockmate  # noqa: E402
+from rockmate import InfeasibleBudget, Rockmate  # noqa: E402
 from solvers import registry  # noqa: E402
 from solvers.option_cache import OptionCache  # noqa: E402
 
@@ -46,6 +47,24 @@ def _transformers_model(name: str):
                                           num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64,
                                           **common)
         model = transformers.LlamaForCausalLM(config)
+    elif name == "t5":
+        config = transformers.T5Config(num_layers=4, d_model=64, d_kv=16, d_ff=128, num_heads=4,
+                                       decoder_start_token_id=0, pad_token_id=0, **common)
+        model = transformers.T5ForConditionalGeneration(config)
+    elif name == "bart":
+        config = transformers.BartConfig(d_model=64, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4,
+                                         decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                         max_position_embeddings=64, **common)
+        model = transformers.BartForConditionalGeneration(config)
+    elif name == "whisper":
+        config = transformers.WhisperConfig(d_model=64, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4,
+                                            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                            num_mel_bins=16, max_source_positions=32, max_target_positions=64,
+                                            decoder_start_token_id=1, pad_token_id=0, **common)
+        model = transformers.WhisperForConditionalGeneration(config)
+        features = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+        labels = torch.randint(2, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        return model.train(), dict(input_features=features, labels=labels, use_cache=False)
     else:
         raise ValueError(name)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -65,13 +84,20 @@ def _model(name: str):
     return model, {"kwargs": call}
 
 
-def _build(model, given, budget_fraction: float, cache: OptionCache):
+def _build(model, given, budget_fraction: float, cache: OptionCache, max_block_nodes):
     """A build at ``budget_fraction`` of the no-recomputation plan's peak; (Rockmate, seconds of
     the Rockmate build alone: capture, inspection, options, DP)."""
-    top = Rockmate(copy.deepcopy(model), **given, budget=10**13, solver="none")
+    top = Rockmate(copy.deepcopy(model), **given, budget=10**13, solver="none", max_block_nodes=max_block_nodes)
     budget = int(top.plan.predicted_peak * budget_fraction)
     start = time.perf_counter()
-    compiled = Rockmate(model, **given, budget=budget, solver=registry.RockmateSolver(cache=cache))
+    try:
+        compiled = Rockmate(model, **given, budget=budget, solver=registry.RockmateSolver(cache=cache),
+                            max_block_nodes=max_block_nodes)
+    except InfeasibleBudget as error:  # planned at its minimum instead (the grids are cached by then)
+        print(f"{'':>7} infeasible at {budget_fraction}: minimum {error.minimum / top.plan.predicted_peak:.3f} "
+              f"of the no-recomputation peak (found in {time.perf_counter() - start:.1f} s)")
+        compiled = Rockmate(model, **given, budget=error.minimum, solver=registry.RockmateSolver(cache=cache),
+                            max_block_nodes=max_block_nodes)
     return compiled, time.perf_counter() - start
 
 
@@ -79,23 +105,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["gpt", "gpt2", "bert", "llama"])
     parser.add_argument("--fraction", type=float, default=0.5, help="of the no-recomputation peak")
+    parser.add_argument("--max-block-nodes", type=int, default=40, help="0: no side inputs")
     args = parser.parse_args()
+    max_block_nodes = args.max_block_nodes or None
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    print(f"{'model':>6} {'blocks':>6} {'classes':>7} {'capture':>8} {'inspect':>8} {'options':>8} "
+    print(f"{'model':>7} {'blocks':>6} {'classes':>7} {'largest':>7} {'capture':>8} {'inspect':>8} {'options':>8} "
           f"{'dp':>6} {'total':>7} {'slowest class':>36} {'2nd build':>9} {'2nd options':>11}")
     for name in args.models:
         model, given = _model(name)
         with tempfile.TemporaryDirectory() as directory:
-            compiled, total = _build(model, given, args.fraction, OptionCache(directory=directory))
+            compiled, total = _build(model, given, args.fraction, OptionCache(directory=directory), max_block_nodes)
             timings = compiled.plan.timings
             options = {k: v for k, v in timings.items() if k.startswith("options of")}
             slowest = max(options.items(), key=lambda kv: kv[1], default=("-", 0.0))
             second = OptionCache(directory=directory)
-            again, total_again = _build(model, given, args.fraction, second)
+            again, total_again = _build(model, given, args.fraction, second, max_block_nodes)
             options_again = sum(v for k, v in again.plan.timings.items() if k.startswith("options of"))
-        print(f"{name:>6} {len(compiled.graphs.chain.blocks):>6} {len(compiled.graphs.chain.classes):>7} "
+        chain = compiled.graphs.chain
+        print(f"{name:>7} {len(chain.blocks):>6} {len(chain.classes):>7} {max(len(b.nodes) for b in chain.blocks):>7} "
               f"{timings.get('capture', 0):>8.1f} {timings.get('inspect', 0):>8.1f} {sum(options.values()):>8.1f} "
               f"{timings.get('dp', 0):>6.2f} {total:>7.1f} {slowest[0][11:] + f' {slowest[1]:.1f} s':>36} "
               f"{total_again:>9.1f} {options_again:>11.2f} (cache: {second.hits} hits, {second.misses} misses)",
