@@ -104,13 +104,15 @@ def _real_data(data: str, names: dict[str, str]) -> str:
     return f"{names.get(target, target)}.{kind}"
 
 
-def side_offsets(chain: ModelChain) -> list[int]:
+def side_offsets(chain: ModelChain) -> tuple[list[int], list[int]]:
     """Bytes that each block's figures leave out and the chain holds while the block runs: the
     side inputs (``rkgb.blocks``) and the model's outputs made by earlier blocks, alive from
     their block on, and the side inputs' gradients, which the blocks that read them make
     (counted over all of those blocks, their forwards too: a recomputation runs while the
-    gradient is there)."""
+    gradient is there). Second: the bytes of such tensors that each block makes, which its
+    own figures count among what it keeps and its outputs, and the offsets count already."""
     offsets = [0] * len(chain.blocks)
+    pinned = [0] * len(chain.blocks)
     made_by: dict[str, int] = {}
     for block in chain.blocks:
         graph = chain.classes[block.class_index]
@@ -136,11 +138,13 @@ def side_offsets(chain: ModelChain) -> list[int]:
             sizes[real] = whole.size(real)
     for real, size in sizes.items():
         producer = made_by.get(real, -1)
+        if producer >= 0:
+            pinned[producer] += size
         for index in range(producer + 1, len(chain.blocks)):
             offsets[index] += size
         for index in range(producer + 1, max(readers.get(real, [producer])) + 1):
             offsets[index] += grad_sizes.get(real, 0)
-    return offsets
+    return offsets, pinned
 
 
 def _progress(items, description: str):
@@ -186,7 +190,7 @@ class ChainPlanner:
             self._options_of(chain, index)
             self.option_seconds[f"options of class {index} ({len(chain.classes[index].compute_nodes)} computes)"] = \
                 time.perf_counter() - clock
-        offsets = side_offsets(chain)
+        offsets, pinned = side_offsets(chain)
         early = set(chain.early_outputs)
         for block in chain.blocks:
             options = self._options_of(chain, block.class_index)
@@ -208,7 +212,7 @@ class ChainPlanner:
                         OptionCosts(
                             o.forward_peak_bytes + offset,
                             o.backward_peak_bytes + offset,
-                            o.saved_bytes,
+                            max(0, o.saved_bytes - pinned[block.index]),
                             o.end_bytes,
                             o.forward_time_s,
                             o.backward_time_s,
@@ -217,9 +221,9 @@ class ChainPlanner:
                     ],
                     no_grad_peak=options.no_grad.peak_bytes + offset,
                     no_grad_time=options.no_grad.time_s,
-                    output_bytes=sum(graph.size(d) for d in graph.output_data),
+                    output_bytes=max(0, sum(graph.size(d) for d in graph.output_data) - pinned[block.index]),
                     output_grad_bytes=sum(graph.size(d) for d in graph.output_grads),
-                    class_key=(block.class_index, offset, held),
+                    class_key=(block.class_index, offset, pinned[block.index], held),
                 )
             )
         loss = chain.classes[chain.blocks[last].class_index].loss
