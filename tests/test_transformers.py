@@ -11,6 +11,7 @@ BART in ``test_rockmate.py``.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -134,7 +135,7 @@ class _LossOf(torch.nn.Module):
         self.model, self.names, self.options = model, names, options
 
     def forward(self, *tensors):
-        return self.model(**dict(zip(self.names, tensors)), **self.options).loss
+        return _loss_of(self.model(**dict(zip(self.names, tensors)), **self.options))
 
 
 def _positional(name):
@@ -179,3 +180,16 @@ def test_encoder_decoders_with_recomputation_are_exact(name):
     model, sample = _positional(name)
     report = check_training(model, sample, 0.5, at_minimum=True)
     assert report is not None and any(b.side_inputs for b in report.compiled.graphs.chain.blocks)
+
+
+@pytest.mark.skipif(os.environ.get("ROCKMATE_SLOW_TESTS") != "1", reason="long: ROCKMATE_SLOW_TESTS=1 runs it")
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.3])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_architecture_with_recomputation(name, fraction):
+    """Every architecture above at 100, 50 and 30% of eager's peak of the whole step (the
+    minimum where that is below it): loss and gradients bitwise over 3 steps, under the budget."""
+    from exactness import check_training
+
+    torch.manual_seed(0)
+    model, sample = _positional(name)
+    assert check_training(model, sample, fraction, at_minimum=True) is not None
