@@ -42,7 +42,11 @@ def main() -> None:
     parser.add_argument("--out", help="file name of the failures' report under benchmarks/results "
                         "(default fuzz_failures.txt; the programs are pickled beside it, .pkl)")
     parser.add_argument("--replay", help="a fuzz_failures.pkl: check those (program, fraction) pairs again")
+    parser.add_argument("--max-block-nodes", type=int, default=None,
+                        help="split blocks bigger than this with side inputs (rkgb.blocks; small: side "
+                             "inputs on most programs); default: Rockmate's")
     args = parser.parse_args()
+    extra = {} if args.max_block_nodes is None else {"max_block_nodes": args.max_block_nodes}
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     outcomes: collections.Counter = collections.Counter()
@@ -66,7 +70,7 @@ def main() -> None:
     @given(program=programs(), fraction=st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]))
     def case(program, fraction):
         try:
-            result = check_program(program, fraction, peak_steps=3, save_steps=3)
+            result = check_program(program, fraction, peak_steps=3, save_steps=3, **extra)
         except AssertionError as error:
             outcomes["failure"] += 1
             failures.append(f"fraction {fraction}: {error}")
