@@ -344,6 +344,19 @@ def _contributions(node, name: str, graph: SimplifiedGraph, grouped: set[str] = 
     return (reads if reads > 1 else 1) + (1 if reads > 1 and through_views else 0)
 
 
+def _early_output_contributions(simplified: SimplifiedGraph, names: list[str], needs) -> dict[str, tuple[int, ...]]:
+    """For the model outputs made before the last block (``names``), the loss's contributions to
+    their gradients' parts where not one per part (:func:`_count_repeated_outputs`)."""
+    counts = {name: simplified.outputs.count(name) for name in simplified.outputs}
+    contributes = {}
+    for real in names:
+        parts = [name for name in simplified.exported(simplified.node(real)) if needs[real].exported.get(name, False)]
+        contributions = tuple(i for i, name in enumerate(parts) for _ in range(counts.get(name, 0)))
+        if parts and contributions != tuple(range(len(parts))):
+            contributes[dname(real, DataKind.GRAD)] = contributions
+    return contributes
+
+
 def _count_repeated_outputs(graph: CDGraph, simplified: SimplifiedGraph, last: Block, needs) -> None:
     """The loss contributes to each part of an output node's gradient once per time the user
     gets that tensor: twice for ``return h, h`` (two gradients, which the executor adds), none
@@ -398,9 +411,10 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
         _count_repeated_outputs(classes[chain.blocks[-1].class_index], simplified, chain.blocks[-1], needs)
     instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
     last_nodes = set(chain.blocks[-1].nodes) if chain.blocks else set()
-    early = [dname(name, DataKind.DATA) for name in simplified.output_owners if name not in last_nodes]
+    early = [name for name in simplified.output_owners if name not in last_nodes]
     model_chain = ModelChain(classes=classes, blocks=instances, held_bytes=held_bytes(simplified, model),
-                             early_outputs=list(dict.fromkeys(early)))
+                             early_outputs=[dname(name, DataKind.DATA) for name in early],
+                             early_contributions=_early_output_contributions(simplified, early, needs))
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}
     entries = first_run_bytes(simplified, model, sample, grad_accumulation)
     model_chain.first_run_bytes = {name: entries for name, entries in _input_grad_aliases(entries, measures, instances).items()

@@ -449,6 +449,9 @@ class ModelChain:
     # the model's outputs (data nodes, real names) that blocks before the last make: the user
     # holds them to the end of the step and the loss gives them gradients (rkgb.blocks)
     early_outputs: list[str] = field(default_factory=list)
+    # their gradients -> the loss's contributions to their parts, where not one per part (an
+    # output returned twice gets two gradients, which the executor adds)
+    early_contributions: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def first_run_reserve(self) -> int:
         """An upper bound of the first-run memory alive at any time: every key's bytes, plus
@@ -498,6 +501,8 @@ class ModelChain:
         output_grads = [g for g in early_grads if g in data] + list(last.output_grads)
         loss = dataclasses.replace(
             last.loss, needs=output_data, produces=output_grads,
+            contributes={**last.loss.contributes, **{g: v for g, v in self.early_contributions.items()
+                                                     if g in output_grads}},
             shared={**last.loss.shared, **{g: tuple(range(len(data[g].part_sizes))) for g in output_grads
                                            if g not in last.output_grads}})
         return CDGraph(

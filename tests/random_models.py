@@ -318,7 +318,8 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
         result.notes.append(str(error))
         return result
     try:
-        none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", cost_model=options["cost_model"])
+        build = {key: value for key, value in options.items() if key in ("cost_model", "max_block_nodes")}
+        none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", **build)
     except (CaptureError, UnsupportedOperation) as error:
         result.outcome = "unsupported"
         result.notes.append(str(error))

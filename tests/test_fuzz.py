@@ -222,3 +222,21 @@ def test_plans_without_recomputation_hold_what_eager_holds(program):
     assert none.plan.predicted_peak <= eager, program.source()
     for fraction in (1.0, 0.5):
         check_program(program, fraction, **GRID)
+
+
+# side inputs on random programs (``max_block_nodes=3``: most programs get some), found by
+# `benchmarks/fuzz.py --max-block-nodes 3` (seed 29): a model output made before the last block
+# and returned twice gets two gradients from the loss (counted once before: 768 B over the budget)
+SIDE_INPUT_PROGRAMS = [
+    (written([("dropout", [0]), ("batch_norm_unused", [1]), ("silu", [2]), ("batch_norm", [1])], [1, 2, 3],
+             batch=2, seq=6, dim=16, input_requires_grad=True, seed=21750), 0.3),
+    (written([("attention", [0, 0]), ("linear_relu_inplace", [1]), ("identity_view", [1]), ("cat_linear", [1, 0]),
+              ("linear", [4]), ("square_plus", [5]), ("linear_relu_inplace", [3]), ("transpose_tanh", [4])],
+             [1, 7, 8], batch=3, seq=6, dim=16, dtype=torch.float64, input_requires_grad=True, seed=49114), 0.5),
+]
+
+
+@pytest.mark.parametrize("case", SIDE_INPUT_PROGRAMS, ids=range(len(SIDE_INPUT_PROGRAMS)))
+def test_random_models_with_side_inputs(case):
+    program, fraction = case
+    check_program(program, fraction, max_block_nodes=3, **GRID)
