@@ -194,3 +194,24 @@ def test_every_architecture_with_recomputation(name, fraction):
     torch.manual_seed(0)
     model, sample = _positional(name)
     assert check_training(model, sample, fraction, at_minimum=True) is not None
+
+
+class _LossAndEncoderOutput(_LossOf):
+    """The loss, the encoder's output (made before the last block, read by every decoder layer)
+    and the logits: the check's loss gives each a gradient."""
+
+    def forward(self, *tensors):
+        output = self.model(**dict(zip(self.names, tensors)), **self.options)
+        return output.loss, output.encoder_last_hidden_state, output.logits
+
+
+def test_a_returned_encoder_output_gets_its_gradient_with_recomputation():
+    from exactness import check_training
+
+    torch.manual_seed(0)
+    model, call = MODELS["bart"]()
+    names = [key for key, value in call.items() if isinstance(value, torch.Tensor)]
+    options = {key: value for key, value in call.items() if key not in names}
+    model = _LossAndEncoderOutput(model, names, options).train()
+    report = check_training(model, tuple(call[key] for key in names), 0.5, at_minimum=True)
+    assert report is not None and report.compiled.graphs.model_chain.early_outputs
