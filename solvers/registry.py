@@ -244,8 +244,10 @@ class ChainPlanner:
                 ops += rename_operations(graph, per_block[a.block][a.option].backward_ops, block.names)
             elif a.kind == "no_grad":
                 ops += rename_operations(graph, self._options_of(chain, block.class_index).no_grad.ops, block.names)
-                if a.forget_input:
-                    ops += rename_operations(graph, [Forget(d) for d in graph.chain_input_data], block.names)
+                if a.forget_input:  # not a model output that the user holds (made before, rkgb.blocks)
+                    ops += rename_operations(graph, [Forget(d) for d in graph.chain_input_data
+                                                     if _real_data(d, block.names) not in set(chain.early_outputs)],
+                                             block.names)
             elif a.kind == "forget_output":
                 # not the model's outputs that the user holds (rkgb.blocks: made before the last block)
                 ops += rename_operations(graph, [Forget(d) for d in graph.output_data
