@@ -226,8 +226,12 @@ def test_plans_without_recomputation_hold_what_eager_holds(program):
 
 # side inputs on random programs (``max_block_nodes=3``: most programs get some), found by
 # `benchmarks/fuzz.py --max-block-nodes 3` (seed 29): a model output made before the last block
-# and returned twice gets two gradients from the loss (counted once before: 768 B over the budget)
+# and returned twice gets two gradients from the loss (counted once before: 768 B over the budget);
+# one that is the next block's chain input is not forgotten after a no-grad run (seed 31)
 SIDE_INPUT_PROGRAMS = [
+    (written([("sum_add", [0]), ("layer_norm", [1]), ("linear_relu_inplace", [2]), ("sum_add", [3]), ("counter", [4]),
+              ("split_swap", [5]), ("batch_norm", [6]), ("dropout", [7])], [2, 3, 8], batch=2, seq=6, dim=16,
+             dtype=torch.float64, seed=65536), 0.8),
     (written([("dropout", [0]), ("batch_norm_unused", [1]), ("silu", [2]), ("batch_norm", [1])], [1, 2, 3],
              batch=2, seq=6, dim=16, input_requires_grad=True, seed=21750), 0.3),
     (written([("attention", [0, 0]), ("linear_relu_inplace", [1]), ("identity_view", [1]), ("cat_linear", [1, 0]),
