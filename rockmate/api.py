@@ -101,8 +101,8 @@ class Rockmate(nn.Module):
         budget: bytes (int) or a string such as ``"300MiB"`` or ``"1.5GB"``.
         solver: ``"rockmate"`` (default), ``"rotor"``, ``"checkmate"`` (whole graph, small
             models), ``"none"`` (no recomputation), or a solver object.
-        **options: ``cost_model``, ``repeats`` and ``grad_accumulation`` for the graph builder
-            (:class:`BuildOptions`); the rest go to the solver (e.g. ``slots``, ``time_limit_s``).
+        **options: ``cost_model``, ``repeats``, ``grad_accumulation`` and ``max_block_nodes``
+            for the graph builder (:class:`BuildOptions`); the rest go to the solver (e.g. ``slots``, ``time_limit_s``).
 
     Attributes:
         plan: the :class:`solvers.schedule.Plan` (``budget``, ``predicted_peak``,
