@@ -679,8 +679,9 @@ _REVIEWING_VIEWS = {"view", "reshape", "_unsafe_view", "transpose", "permute", "
 
 def _result_views_made_late(graph: SimplifiedGraph, infos: dict[str, "NodeInfo"],
                             merged: dict[str, str]) -> dict[str, str]:
-    """Views of a node's result kept in its body and exported (the user gets them), made in
-    eager after another node that reads the result: view -> the result's fx name.
+    """Views of a node's result (or of an exported view of it) kept in its body and exported
+    (the user gets them), made in eager after another node that reads what they view: view ->
+    the fx name of what it views.
 
     Eager sums a view's contributions in the view's buffer and adds the sum into the result's
     gradient when the view's backward runs: before the backward of every node made before the
@@ -696,19 +697,26 @@ def _result_views_made_late(graph: SimplifiedGraph, infos: dict[str, "NodeInfo"]
     late: dict[str, str] = {}
     for node in graph.nodes:
         info = infos[node.name]
-        if node.name in merged or not info.exported_requires_grad.get(node.main.name):
+        if node.name in merged:
             continue
         body = {line.name: line for line in node.body}
         for out in info.exported:
             line = body.get(out)
             if line is None or not info.exported_requires_grad.get(out) or not line.args \
-                    or line.args[0] is not node.main or getattr(line.target, "__name__", "").split(".")[0] \
-                    not in _REVIEWING_VIEWS:
+                    or getattr(line.target, "__name__", "").split(".")[0] not in _REVIEWING_VIEWS:
+                continue
+            # the result, or an exported view of it that requires grad (a view of a view)
+            base = line.args[0]
+            if base is node.main:
+                if not info.exported_requires_grad.get(node.main.name):
+                    continue
+            elif not (isinstance(base, torch.fx.Node) and base.name in info.exported
+                      and info.exported_requires_grad.get(base.name)):
                 continue
             early = any(holder.get(user.name) not in (None, node) and position[holder[user.name].main.name] < position[out]
-                        for user in node.main.users)
+                        for user in base.users)
             if early:
-                late[out] = node.main.name
+                late[out] = base.name
     return late
 
 

@@ -246,13 +246,12 @@ def test_random_models_with_side_inputs(case):
     check_program(program, fraction, max_block_nodes=3, **GRID)
 
 
-@pytest.mark.xfail(strict=True, reason="open: nested views of a node's result, both returned, the outer also read "
-                                       "by another node, sum their gradients in another order than eager's")
 def test_nested_views_of_a_result_both_returned():
-    """Found by fuzz seed 31 (fails the same way without side inputs): ``conv1d`` returns its
+    """Found by fuzz seed 31 (failed the same way without side inputs): ``conv1d`` returns its
     result transposed (a view) and the user also gets a view of that view, while ``mul`` reads
-    the first. Eager adds the inner view's gradient into the outer view's buffer in its engine's
-    order; the node's island adds it after the contributions of the other readers."""
+    the first. Eager adds the inner view's gradient into the outer view's buffer where its
+    engine runs the inner view's backward, before ``mul``'s contribution; the node's island
+    added it after (a late view of a view: ``exec.codegen._result_views_made_late``)."""
     program = written([("inplace_mul", [0, 0]), ("sum_add", [1]), ("linear_frozen", [2]), ("softmax", [3]),
                        ("conv1d", [1]), ("mul", [5, 2]), ("square_plus", [5]), ("identity_view", [5])],
                       [4, 5, 6, 8], batch=2, seq=6, dim=16, dtype=torch.float64, input_requires_grad=True, seed=2075)
