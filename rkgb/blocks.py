@@ -300,7 +300,8 @@ def cut_chain(graph: SimplifiedGraph, needs: dict[str, GradientNeeds] | None = N
             previous = node.name
             current = []
     if blocks:  # the last block holds every output (find_separators) but side ones
-        blocks[-1].output_nodes = [name for name in graph.output_owners if name in set(blocks[-1].nodes)]
+        last = set(blocks[-1].nodes)
+        blocks[-1].output_nodes = [name for name in graph.output_owners if name in last]
     _link_side_inputs(graph, blocks, side)
 
     classes: list[BlockClass] = []

@@ -344,34 +344,33 @@ def _contributions(node, name: str, graph: SimplifiedGraph, grouped: set[str] = 
     return (reads if reads > 1 else 1) + (1 if reads > 1 and through_views else 0)
 
 
+def _loss_contributions(simplified: SimplifiedGraph, real: str, needs) -> tuple[int, ...] | None:
+    """The loss's contributions to the parts of output node ``real``'s gradient: one per time the
+    user gets each part (twice for ``return h, h``, none for a part only nodes read); None where
+    that is one per part."""
+    parts = [name for name in simplified.exported(simplified.node(real)) if needs[real].exported.get(name, False)]
+    contributions = tuple(i for i, name in enumerate(parts) for _ in range(simplified.outputs.count(name)))
+    return None if contributions == tuple(range(len(parts))) else contributions
+
+
 def _early_output_contributions(simplified: SimplifiedGraph, names: list[str], needs) -> dict[str, tuple[int, ...]]:
     """For the model outputs made before the last block (``names``), the loss's contributions to
-    their gradients' parts where not one per part (:func:`_count_repeated_outputs`)."""
-    counts = {name: simplified.outputs.count(name) for name in simplified.outputs}
-    contributes = {}
-    for real in names:
-        parts = [name for name in simplified.exported(simplified.node(real)) if needs[real].exported.get(name, False)]
-        contributions = tuple(i for i, name in enumerate(parts) for _ in range(counts.get(name, 0)))
-        if parts and contributions != tuple(range(len(parts))):
-            contributes[dname(real, DataKind.GRAD)] = contributions
-    return contributes
+    their gradients' parts where not one per part (:func:`_loss_contributions`)."""
+    found = {dname(real, DataKind.GRAD): _loss_contributions(simplified, real, needs) for real in names}
+    return {grad: contributions for grad, contributions in found.items() if contributions is not None}
 
 
 def _count_repeated_outputs(graph: CDGraph, simplified: SimplifiedGraph, last: Block, needs) -> None:
-    """The loss contributes to each part of an output node's gradient once per time the user
-    gets that tensor: twice for ``return h, h`` (two gradients, which the executor adds), none
-    for a part that only the block's nodes read."""
-    counts = {name: simplified.outputs.count(name) for name in simplified.outputs}
+    """The loss of the last block's class contributes to its outputs' gradients as the user's
+    loss does (:func:`_loss_contributions`): twice for ``return h, h`` (two gradients, which the
+    executor adds)."""
     loss = graph.loss
-    names = last.anonymous_names()
-    for anonymous, real in names.items():
+    for anonymous, real in last.anonymous_names().items():
         grad = dname(anonymous, DataKind.GRAD)
         if grad not in loss.produces:
             continue
-        node = simplified.node(real)
-        parts = [name for name in simplified.exported(node) if needs[real].exported.get(name, False)]
-        contributions = tuple(i for i, name in enumerate(parts) for _ in range(counts.get(name, 0)))
-        if contributions != tuple(range(len(parts))):
+        contributions = _loss_contributions(simplified, real, needs)
+        if contributions is not None:
             loss.contributes[grad] = contributions
     graph.validate()
 

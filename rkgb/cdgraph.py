@@ -65,6 +65,7 @@ __all__ = [
     "ModelChain",
     "data_name",
     "compute_name",
+    "renamed_data",
 ]
 
 
@@ -90,6 +91,13 @@ LOSS_NAME = "loss"
 def data_name(target: str, kind: DataKind) -> str:
     """Name of the data node of kind ``kind`` of simplified node ``target``: ``"x.data"``."""
     return f"{target}.{kind.value}"
+
+
+def renamed_data(name: str, targets: dict[str, str]) -> str:
+    """Data node ``name`` (``"x.grad"``) with its simplified node renamed by ``targets`` (a
+    block's names: a class graph's node in that block)."""
+    target, _, kind = name.rpartition(".")
+    return f"{targets.get(target, target)}.{kind}"
 
 
 def compute_name(target: str, kind: ComputeKind) -> str:
@@ -219,8 +227,7 @@ class CDGraph:
         """A copy where each simplified node name ``t`` becomes ``targets[t]`` (others kept)."""
 
         def rename_data(d: str) -> str:
-            target, _, kind = d.rpartition(".")
-            return f"{targets.get(target, target)}.{kind}"
+            return renamed_data(d, targets)
 
         def rename_compute(c: ComputeNode) -> ComputeNode:
             target = targets.get(c.target, c.target)

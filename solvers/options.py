@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from rkgb.cdgraph import CDGraph, ComputeKind, ModelChain, compute_name
+from rkgb.cdgraph import CDGraph, ComputeKind, ModelChain, compute_name, renamed_data
 from solvers.schedule import Compute, Forget, Operation, Schedule
 from solvers.simulate import schedule_from_computes, simulate
 
@@ -178,8 +178,7 @@ def with_outputs_kept(graph: CDGraph, option: BlockOption, outputs: set[str] | N
 def rename_operation(graph: CDGraph, op: Operation, names: dict[str, str]) -> Operation:
     """``op`` of class graph ``graph`` with the simplified-node names of a block (``names``)."""
     if isinstance(op, Forget):
-        target, _, kind = op.node.rpartition(".")
-        return Forget(f"{names.get(target, target)}.{kind}")
+        return Forget(renamed_data(op.node, names))
     node = graph.compute(op.node)
     if node.kind is ComputeKind.LOSS:
         return op

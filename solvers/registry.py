@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from rkgb.cdgraph import ModelChain
+from rkgb.cdgraph import DataKind, ModelChain, data_name, renamed_data
 from solvers.block_options import GridReport, solve_class_options
 from solvers.checkmate_ilp import RkCheckmateILP
 from solvers.option_cache import OptionCache, default_cache
@@ -98,12 +98,6 @@ def _infeasible(chain: ModelChain, budget: int, name: str, minimum: int, **field
     )
 
 
-def _real_data(data: str, names: dict[str, str]) -> str:
-    """The real name of a class graph's data node in a block named by ``names``."""
-    target, _, kind = data.rpartition(".")
-    return f"{names.get(target, target)}.{kind}"
-
-
 def side_offsets(chain: ModelChain) -> tuple[list[int], list[int]]:
     """Bytes that each block's figures leave out and the chain holds while the block runs: the
     side inputs (``rkgb.blocks``) and the model's outputs made by earlier blocks, alive from
@@ -114,28 +108,26 @@ def side_offsets(chain: ModelChain) -> tuple[list[int], list[int]]:
     offsets = [0] * len(chain.blocks)
     pinned = [0] * len(chain.blocks)
     made_by: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    early = set(chain.early_outputs)
     for block in chain.blocks:
         graph = chain.classes[block.class_index]
-        for c in graph.forward_nodes():
-            for d in c.produces:
-                made_by.setdefault(_real_data(d, block.names), block.index)
+        for d in graph.output_data:
+            real = renamed_data(d, block.names)
+            made_by.setdefault(real, block.index)
+            if real in early:
+                sizes[real] = graph.size(d)
     readers: dict[str, list[int]] = {}
-    sizes: dict[str, int] = {}
     grad_sizes: dict[str, int] = {}
     for block in chain.blocks:
         graph = chain.classes[block.class_index]
         for d in graph.side_data:
-            real = _real_data(d, block.names)
+            real = renamed_data(d, block.names)
             readers.setdefault(real, []).append(block.index)
             sizes[real] = graph.size(d)
-            grad = d.rpartition(".")[0] + ".grad"
+            grad = data_name(graph.data(d).target, DataKind.GRAD)
             if grad in graph.input_grads:
                 grad_sizes[real] = max(grad_sizes.get(real, 0), graph.size(grad))
-    whole = None
-    for real in chain.early_outputs:
-        if real not in sizes:
-            whole = whole or chain.whole_graph()
-            sizes[real] = whole.size(real)
     for real, size in sizes.items():
         producer = made_by.get(real, -1)
         if producer >= 0:
@@ -195,7 +187,7 @@ class ChainPlanner:
         for block in chain.blocks:
             options = self._options_of(chain, block.class_index)
             graph = chain.classes[block.class_index]
-            held = frozenset(d for d in graph.output_data if _real_data(d, block.names) in early)
+            held = frozenset(d for d in graph.output_data if renamed_data(d, block.names) in early)
             if block.index == last or held:
                 key = (block.class_index, block.index == last, held)
                 if key not in last_variants:
@@ -230,7 +222,9 @@ class ChainPlanner:
         return ChainCosts(blocks, loss_time=loss.time_s, loss_overhead=loss.overhead_bytes + offsets[last]), per_block
 
     def instantiate(self, chain: ModelChain, per_block: list[list[BlockOption]], actions: list[ChainAction]) -> Schedule:
-        """The whole-model schedule of a chain strategy (real node names)."""
+        """The whole-model schedule of a chain strategy (real node names). A model output made
+        before the last block (``rkgb.blocks``) is never forgotten: the user holds it."""
+        held = set(chain.early_outputs)
         ops: list[Operation] = []
         for a in actions:
             if a.kind == "loss":
@@ -244,15 +238,12 @@ class ChainPlanner:
                 ops += rename_operations(graph, per_block[a.block][a.option].backward_ops, block.names)
             elif a.kind == "no_grad":
                 ops += rename_operations(graph, self._options_of(chain, block.class_index).no_grad.ops, block.names)
-                if a.forget_input:  # not a model output that the user holds (made before, rkgb.blocks)
-                    ops += rename_operations(graph, [Forget(d) for d in graph.chain_input_data
-                                                     if _real_data(d, block.names) not in set(chain.early_outputs)],
-                                             block.names)
+                if a.forget_input:
+                    ops += [Forget(real) for real in (renamed_data(d, block.names) for d in graph.chain_input_data)
+                            if real not in held]
             elif a.kind == "forget_output":
-                # not the model's outputs that the user holds (rkgb.blocks: made before the last block)
-                ops += rename_operations(graph, [Forget(d) for d in graph.output_data
-                                                 if _real_data(d, block.names) not in set(chain.early_outputs)],
-                                         block.names)
+                ops += [Forget(real) for real in (renamed_data(d, block.names) for d in graph.output_data)
+                        if real not in held]
         return Schedule(ops)
 
     def solve(self, chain: ModelChain, budget: int) -> Plan:
