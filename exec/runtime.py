@@ -70,13 +70,34 @@ def _view_gradient(view_edge, base_edge, grad: torch.Tensor, sink) -> None:
     sink((base_grad,))
 
 
-def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    """Backward from the tensors that require grad and received a gradient."""
-    roots, root_grads = [], []
-    for tensor, grad in zip(tensors, grads):
-        if grad is not None and tensor.requires_grad:
+def _backward_outputs(tensors: Sequence[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+    """Backward from the tensors that require grad and received a gradient.
+
+    A tensor returned several times gets one gradient per return; eager's engine sums them in
+    the buffer of the tensor's node, in place where it holds the first alone. They are summed
+    here the same way, in the order of the returns, each taken out of ``grads`` (the step's
+    list, emptied as it goes) so that it is freed once added: handed to the engine as separate
+    roots, they would all be held, and a new sum made beside them.
+    """
+    roots: list[torch.Tensor] = []
+    root_grads: list[torch.Tensor] = []
+    position: dict[int, int] = {}
+    for index, tensor in enumerate(tensors):
+        grad = grads[index]
+        if grad is None or not tensor.requires_grad:
+            continue
+        if isinstance(grads, list):
+            grads[index] = None
+        if id(tensor) in position:
+            at = position[id(tensor)]
+            old, root_grads[at] = root_grads[at], None
+            root_grads[at] = accumulate(old, grad, old._use_count() == 1)
+            del old
+        else:
+            position[id(tensor)] = len(roots)
             roots.append(tensor)
             root_grads.append(grad)
+        del grad
     if roots:
         torch.autograd.backward(roots, root_grads)  # checks shapes: the user's gradients
 
@@ -478,9 +499,15 @@ class CompiledModule(nn.Module):
         self._bind_globals(runner)
         handover = _Handover(len(self.graph.outputs))
         outputs = list(_ScheduleFunction.apply(runner, handover, *tensors, *parameters))
-        for i, output in enumerate(outputs):
-            if output.requires_grad:
-                outputs[i] = _OutputGate.apply(output, handover, i)
+        # a tensor the model returns several times is one object, behind one gate, as in eager:
+        # the engine sums its gradients in that gate's buffer as they come (separate gates would
+        # hold them all at once)
+        gated: dict[str, torch.Tensor] = {}
+        for i, (output, name) in enumerate(zip(outputs, self.graph.outputs)):
+            if name in gated:
+                outputs[i] = gated[name]
+            elif output.requires_grad:
+                outputs[i] = gated[name] = _OutputGate.apply(output, handover, i)
         if self.graph.captured.output_is_tuple:
             return tuple(outputs)
         return outputs[0]

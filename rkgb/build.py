@@ -262,20 +262,21 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
         for view, view_readers in graph.input_view_readers(name).items():
             # (a view of the input alone that the user gets: the loss's contribution opens its
             # group, as exec.codegen makes it from the group's alias)
-            returned[view] = graph.outputs.count(view) if len(captured_lines[view].all_input_nodes) == 1 else 0
+            returned[view] = int(view in graph.outputs) if len(captured_lines[view].all_input_nodes) == 1 else 0
             if view_readers or returned[view]:
                 grouped[view] = view_readers
         for line in graph.global_views:  # a view of the input that the user gets, made once
             if line.name in graph.outputs and line.name not in returned and \
                     [arg.name for arg in line.all_input_nodes] == [name] and len(tensor_args(line)) == 1:
-                returned[line.name] = graph.outputs.count(line.name)
+                returned[line.name] = 1
                 grouped[line.name] = []
         direct: dict[str, int] = {}
         for reader in readers.get(name, ()):  # views of the input included (their owner is it)
             direct[reader] = _contributions(graph.node(reader), name, graph, set(grouped))
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).extend([grad] * direct[reader])
         # an output that is the input (or a view of it): the loss gives the input a gradient
-        outputs = sum(graph.owner.get(output) == name for output in graph.outputs) - \
+        # (a tensor returned several times gets one gradient: :func:`_loss_contributions`)
+        outputs = sum(graph.owner.get(output) == name for output in set(graph.outputs)) - \
             sum(returned[view] for view in grouped)
         result.setdefault("loss", []).extend([grad] * outputs)
         # a group's sum is the input's gradient where it is the only way the gradient comes
@@ -345,12 +346,39 @@ def _contributions(node, name: str, graph: SimplifiedGraph, grouped: set[str] = 
 
 
 def _loss_contributions(simplified: SimplifiedGraph, real: str, needs) -> tuple[int, ...] | None:
-    """The loss's contributions to the parts of output node ``real``'s gradient: one per time the
-    user gets each part (twice for ``return h, h``, none for a part only nodes read); None where
-    that is one per part."""
+    """The loss's contributions to the parts of output node ``real``'s gradient: one for each part
+    the user gets (once for ``return h, h``: the executor returns one tensor twice, as eager
+    does, and the engine sums its two gradients before handing it over, see
+    :func:`_repeated_outputs_transient`), none for a part only nodes read; None where that is
+    one per part."""
     parts = [name for name in simplified.exported(simplified.node(real)) if needs[real].exported.get(name, False)]
-    contributions = tuple(i for i, name in enumerate(parts) for _ in range(simplified.outputs.count(name)))
+    contributions = tuple(i for i, name in enumerate(parts) if name in simplified.outputs)
     return None if contributions == tuple(range(len(parts))) else contributions
+
+
+def _repeated_outputs_transient(simplified: SimplifiedGraph, needs, global_requires_grad: dict[str, bool]) -> int:
+    """The loss's temporary memory for the tensors the model returns more than once.
+
+    The user's loss gives each return its own gradient; the engine adds them in the buffer of
+    the tensor's one output gate (``exec.runtime``) as they come, as eager's engine does in the
+    buffer of the tensor's node: the first (a view of the loss's result, which is not added
+    into in place), the next and their sum are held at once, before the sum alone is handed
+    over. Two tensors of the largest such output beyond its gradient (sums are made one at a
+    time)."""
+    largest = 0
+    for name in set(simplified.outputs):
+        if simplified.outputs.count(name) < 2:
+            continue
+        owner = simplified.owner.get(name, name)
+        if owner in needs:
+            gets_gradient = needs[owner].exported.get(name, False)
+        else:
+            gets_gradient = global_requires_grad.get(name, global_requires_grad.get(owner, False))
+        line = next((line for line in simplified.captured.graph.nodes if line.name == name), None)
+        value = line.meta.get("val") if line is not None else None
+        if gets_gradient and isinstance(value, torch.Tensor):
+            largest = max(largest, _nbytes(value))
+    return 2 * largest
 
 
 def _early_output_contributions(simplified: SimplifiedGraph, names: list[str], needs) -> dict[str, tuple[int, ...]]:
@@ -397,7 +425,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     # which tensors a backward from the outputs reaches (and the layouts of their gradients)
     layouts = gradient_layouts(simplified, model, sample)
     simplified.gradient_receivers = None if layouts is None else set(layouts)
-    needs = gradient_needs(simplified, global_requires_grad(simplified, model, sample))
+    requires_grad = global_requires_grad(simplified, model, sample)
+    needs = gradient_needs(simplified, requires_grad)
     chain = cut_chain(simplified, needs, max_block_nodes)
     seconds["simplify_and_cut"] = time.perf_counter() - clock
     clock = time.perf_counter()
@@ -407,7 +436,9 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     clock = time.perf_counter()
     classes = [cdgraph_of_class(m) for m in measures]
     if chain.blocks:
-        _count_repeated_outputs(classes[chain.blocks[-1].class_index], simplified, chain.blocks[-1], needs)
+        last_class = classes[chain.blocks[-1].class_index]
+        _count_repeated_outputs(last_class, simplified, chain.blocks[-1], needs)
+        last_class.loss.overhead_bytes = _repeated_outputs_transient(simplified, needs, requires_grad)
     instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
     last_nodes = set(chain.blocks[-1].nodes) if chain.blocks else set()
     early = [name for name in simplified.output_owners if name not in last_nodes]
