@@ -7,7 +7,8 @@ entries of the first build).
 
 Models: the zoo's bench GPT, and transformers models from tiny configs (4 layers, or 4 + 4 for
 the encoder-decoders T5, BART and Whisper; d=64; random init, called with keywords and labels
-as their users call them). ``--max-block-nodes 0``: without side inputs (``rkgb.blocks``). One intra-op thread; measured costs (the
+as their users call them); ``gpt2-small-12``, ``llama-12`` (and ``-24``): GPT-2 small's
+shape and a Llama of its width, full size (d=768, sequence 256, batch 2). ``--max-block-nodes 0``: without side inputs (``rkgb.blocks``). One intra-op thread; measured costs (the
 default cost model). The cache directory is a temporary one, so that the first build solves.
 """
 
@@ -74,7 +75,33 @@ def _transformers_model(name: str):
     return model.train(), call
 
 
+def _full_size_model(name: str):
+    """GPT-2 small's shape (d=768, 12 heads, vocabulary 50257) or a Llama of the same width
+    (d=768, 12 heads, 4 key-value heads, MLP 2048, vocabulary 32000), at the depth the name
+    ends with (``gpt2-small-12``, ``llama-24``); batch 2, sequence 256."""
+    import transformers
+
+    family, _, depth = name.rpartition("-")
+    layers = int(depth)
+    if family == "gpt2-small":
+        config = transformers.GPT2Config(n_layer=layers, n_embd=768, n_head=12, n_positions=256,
+                                         attn_implementation="eager")
+        model = transformers.GPT2LMHeadModel(config)
+    elif family == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=768, num_attention_heads=12,
+                                          num_key_value_heads=4, intermediate_size=2048, max_position_embeddings=256,
+                                          vocab_size=32000, attn_implementation="eager")
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        raise ValueError(name)
+    ids = torch.randint(0, 256, (2, 256), generator=torch.Generator().manual_seed(0))
+    return model.train(), dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False)
+
+
 def _model(name: str):
+    if name.startswith(("gpt2-small-", "llama-")):
+        model, call = _full_size_model(name)
+        return model, {"kwargs": call}
     if name == "gpt":
         from zoo import ZOO
 

@@ -57,7 +57,7 @@ def main() -> None:
     start = time.perf_counter()
     results = ROOT / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    report = results / (args.out or "fuzz_failures.txt")
+    report = results / Path(args.out or "fuzz_failures.txt").name  # (a path given: its file name)
 
     def save_failures() -> None:
         """Write the failures so far (a long run's are not lost when it is stopped)."""
