@@ -172,7 +172,11 @@ def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0,
         with _WARNINGS_LOCK, warnings.catch_warnings():  # the option grid builds solvers in threads
             warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 4 renames the bundled CBC
             options = list(cbc_options) + ([] if heuristics else ["heur off"])
-            return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1,
+            # CBC's serial mode: with "-threads 1" (its threaded mode with one thread) about one
+            # process in 30 that solve an option grid from a process that imported torch had a CBC
+            # run of a trivial model take 10.0 s, whatever its time limit (measured on the bench
+            # ResNet's 3-compute classes; none in 60 runs without it, and the same figures)
+            return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=None,
                                      options=options)
     if name == "highs":
         if not highs_available():
