@@ -11,12 +11,14 @@ through :class:`rkgb.saved.SavedTensors`. For each simplified node ``x`` we meas
   alive and what the op leaves behind (allocation tracking on CPU,
   ``torch.cuda.max_memory_allocated`` on CUDA; never process RSS);
 - forward and backward times: the fastest of repeats after one untimed run (CUDA events on
-  GPU), or a deterministic cost model from FLOPs, bytes and random numbers drawn
+  GPU; on CPU with denormal numbers flushed to zero, :func:`_denormals_flushed`), or a
+  deterministic cost model from FLOPs, bytes and random numbers drawn
   (``cost_model="flops"``) for reproducible tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 from dataclasses import dataclass, field
@@ -117,6 +119,27 @@ class BlockMeasure:
     side_inputs: list[SideInputMeasure] = field(default_factory=list)
 
 
+@contextlib.contextmanager
+def _denormals_flushed():
+    """CPU timings with denormal numbers flushed to zero, the user's setting restored after.
+
+    A randomly initialized attention's backward makes denormal floats, which x86 CPUs compute
+    tens of times slower; which ops meet them changes with the dropout masks of each build:
+    measured on GPT-2 small's attention block, one backward's share of the block's time was 14%
+    in one build and 0.3% in the next, so that the plan cache, which reuses options only where
+    the times are alike, re-solved the block (6.5 s; 44 s for a Llama's). The values computed
+    while timing are thrown away."""
+    probe = torch.tensor([1e-40], dtype=torch.float32)
+    already = bool((probe * 1.0).item() == 0.0)  # flushing is on (or the platform has no denormals)
+    if already or not torch.set_flush_denormal(True):
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
 class _Clock:
     """Wall-clock timing (CUDA events on GPU) or the deterministic FLOP/byte model."""
 
@@ -135,6 +158,12 @@ class _Clock:
                 fn()
             return (counter.get_total_flops() / _FLOPS_PER_S + bytes_moved / _BYTES_PER_S
                     + random.count * _RANDOM_S_PER_ELEMENT)
+        with contextlib.ExitStack() as stack:
+            if self.device.type == "cpu":
+                stack.enter_context(_denormals_flushed())
+            return self._fastest(fn)
+
+    def _fastest(self, fn) -> float:
         fn()  # untimed: the first run pays for cold caches and fresh pages, as training's steps do not
         samples = []
         for _ in range(self.repeats):
