@@ -215,3 +215,32 @@ def test_a_returned_encoder_output_gets_its_gradient_with_recomputation():
     model = _LossAndEncoderOutput(model, names, options).train()
     report = check_training(model, tuple(call[key] for key in names), 0.5, at_minimum=True)
     assert report is not None and report.compiled.graphs.model_chain.early_outputs
+
+
+def test_hidden_states_returned_twice_are_one_tensor_as_in_eager():
+    """``output_hidden_states=True``: GPT-2 returns its last hidden state as ``last_hidden_state``
+    and as ``hidden_states[-1]``, one tensor; the compiled module returns one tensor too, and a
+    loss over every output gives bitwise gradients."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=16, vocab_size=64,
+                                     attn_implementation="eager", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2Model(config).train()
+    call = dict(input_ids=torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0)),
+                output_hidden_states=True, use_cache=False)
+    compiled = Rockmate(copy.deepcopy(model), kwargs=call, budget=10**12, solver="none", cost_model="flops")
+
+    def step(module):
+        out = module(**call)
+        generator = torch.Generator().manual_seed(1)
+        loss = sum((o * torch.randn(o.shape, generator=generator)).sum()
+                   for o in [out.last_hidden_state, *out.hidden_states])
+        loss.backward()
+        return out, loss
+
+    eager_out, eager_loss = step(model)
+    out, loss = step(compiled)
+    assert eager_out.last_hidden_state is eager_out.hidden_states[-1]
+    assert out.last_hidden_state is out.hidden_states[-1]
+    assert torch.equal(loss, eager_loss)
+    for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
+        assert torch.equal(p.grad, q.grad), name
