@@ -1,6 +1,6 @@
 """Where planning time goes, per model: capture, inspection, each class's option grid, the DP;
-then the same build again with the plan cache (a new process's view: empty memory, the disk
-entries of the first build).
+then the same build again with the plan cache and the inspection's cache (a new process's
+view: empty memory, the disk entries of the first build).
 
     .venv/bin/python benchmarks/bench_planning.py                      # every model below
     .venv/bin/python benchmarks/bench_planning.py --models gpt2 llama  # some
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import tempfile
 import time
@@ -143,6 +144,7 @@ def main() -> None:
     for name in args.models:
         model, given = _model(name)
         with tempfile.TemporaryDirectory() as directory:
+            os.environ["ROCKMATE_CACHE_DIR"] = directory  # the inspection's cache too (rockmate.api)
             compiled, total = _build(model, given, args.fraction, OptionCache(directory=directory), max_block_nodes)
             timings = compiled.plan.timings
             options = {k: v for k, v in timings.items() if k.startswith("options of")}

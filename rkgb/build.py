@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from .blocks import INPUT_NAME, Block, Chain, cut_chain
 from .capture import CapturedGraph, as_input_tuple, capture, device_of
@@ -403,8 +404,37 @@ def _count_repeated_outputs(graph: CDGraph, simplified: SimplifiedGraph, last: B
     graph.validate()
 
 
+def _tensor_signature(value) -> tuple | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    return (tuple(value.shape), tuple(value.stride()), str(value.dtype), value.device.type, value.requires_grad)
+
+
+def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str, bool], layouts, device: torch.device,
+                 cost_model: str, repeats: int) -> str:
+    """The key of a build's measures in :class:`rkgb.disk_cache.MeasureCache`: what they depend
+    on. The captured graph, node by node (its op, arguments, and its value's shape, strides,
+    dtype, device and ``requires_grad``), which globals require grad, the chain of blocks and
+    classes, the gradient layouts, the device (with a GPU's name), torch's version, the cost
+    model and the graph builder's own source (:func:`rkgb.disk_cache.source_digest`). Not the
+    values of tensors: no measure depends on them (but the timings, which a second build takes
+    from the first)."""
+    import hashlib
+
+    from .disk_cache import source_digest
+
+    lines = [(node.op, str(node.target), repr(node.args), repr(node.kwargs),
+              [_tensor_signature(v) for v in tree_leaves(node.meta.get("val"))])
+             for node in captured.graph.nodes]
+    blocks = [(b.index, b.class_index, tuple(b.nodes), b.input_node, tuple(b.side_inputs)) for b in chain.blocks]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    content = repr((source_digest(), torch.__version__, str(device), gpu, cost_model, repeats, lines,
+                    sorted(requires_grad.items()), blocks, sorted((k, repr(v)) for k, v in layouts.items())))
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3,
-          grad_accumulation: bool = True, max_block_nodes: int | None = 40) -> ModelGraphs:
+          grad_accumulation: bool = True, max_block_nodes: int | None = 40, measure_cache=None) -> ModelGraphs:
     """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
 
     Args:
@@ -415,6 +445,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
         grad_accumulation: count the sums of shared parameters' gradients that a step
             accumulating into ``.grad`` makes (:func:`first_run_bytes`).
         max_block_nodes: split bigger blocks with side inputs (:func:`rkgb.blocks.cut_chain`).
+        measure_cache: a :class:`rkgb.disk_cache.MeasureCache`: the measures of a build with the
+            same :func:`measures_key` are read from it instead of measured (None: measure).
     """
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -430,8 +462,16 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     chain = cut_chain(simplified, needs, max_block_nodes)
     seconds["simplify_and_cut"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    measures = inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats,
+    def measure() -> list[BlockMeasure]:
+        return inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats,
                              layouts=layouts or {})
+
+    if measure_cache is None:
+        measures = measure()
+    else:
+        device = device_of(model, as_input_tuple(sample))
+        key = measures_key(captured, chain, requires_grad, layouts or {}, device, cost_model, repeats)
+        measures = measure_cache.get_or_compute(key, measure)
     seconds["inspect"] = time.perf_counter() - clock
     clock = time.perf_counter()
     classes = [cdgraph_of_class(m) for m in measures]

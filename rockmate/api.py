@@ -10,6 +10,7 @@ model, cuts it into a chain of blocks and measures each class of identical block
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -22,9 +23,11 @@ from exec import CompiledModule
 from exec.timeline import Timeline, measure_timeline
 from rkgb.build import ModelGraphs, build
 from rkgb.cdgraph import ComputeKind
+from rkgb.disk_cache import MeasureCache
 from rkgb.errors import describe_fx_node
 from solvers import registry
 from solvers.checkmate_ilp import make_pulp_solver
+from solvers.option_cache import default_directory
 from solvers.bounds import operation_floor
 from solvers.schedule import Plan
 
@@ -76,11 +79,18 @@ def _train_mode(model: nn.Module):
             module.training = mode
 
 
+def _measure_cache() -> MeasureCache | None:
+    """The inspection's disk cache, beside the plan cache (None where that is off:
+    ``ROCKMATE_CACHE_DIR=off``), read at each build."""
+    directory = default_directory()
+    return None if directory is None else MeasureCache(os.path.join(directory, "measures"))
+
+
 def _build_graphs(model: nn.Module, sample, build_options: BuildOptions) -> ModelGraphs:
     with _train_mode(model):
         return build(model, sample, cost_model=build_options.cost_model, repeats=build_options.repeats,
                      grad_accumulation=build_options.grad_accumulation,
-                     max_block_nodes=build_options.max_block_nodes)
+                     max_block_nodes=build_options.max_block_nodes, measure_cache=_measure_cache())
 
 
 class Rockmate(nn.Module):

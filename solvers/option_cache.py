@@ -22,11 +22,11 @@ import dataclasses
 import hashlib
 import math
 import os
-import pickle
 from collections import OrderedDict
 from typing import Callable
 
 from rkgb.cdgraph import CDGraph
+from rkgb.disk_cache import read_pickle, write_pickle
 
 __all__ = ["OptionCache", "default_cache", "default_directory", "OPTIONS_FORMAT"]
 
@@ -114,31 +114,14 @@ class OptionCache:
 
     @staticmethod
     def _read(path: str):
-        """An entry from disk, or None where it cannot be read (a partial or foreign file is
-        solved again and rewritten, never an error)."""
-        try:
-            with open(path, "rb") as handle:
-                entry = pickle.load(handle)
-        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, TypeError):
-            return None
+        """An entry from disk, or None where it cannot be read or is not one."""
+        entry = read_pickle(path)
         valid = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
         return entry if valid else None
 
     @staticmethod
     def _write(path: str, value) -> None:
-        """Write an entry atomically; a read-only or full disk leaves the cache in memory only,
-        and an interrupt (Ctrl-C) while writing leaves no partial file behind."""
-        temporary = f"{path}.{os.getpid()}.tmp"
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(temporary, "wb") as handle:
-                pickle.dump(value, handle)
-            os.replace(temporary, path)
-        except OSError:
-            pass
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
+        write_pickle(path, value)
 
 
 default_cache = OptionCache(directory=default_directory())

@@ -220,3 +220,30 @@ def test_an_interrupted_solve_leaves_the_cache_valid(tmp_path, monkeypatch):
     fresh = OptionCache(directory=str(tmp_path))
     expected = registry.min_budget(chain, "rockmate", cache=OptionCache(), **GRID)
     assert registry.min_budget(chain, "rockmate", cache=fresh, **GRID) == expected
+
+
+def test_a_second_build_reads_its_measures_from_disk(tmp_path, monkeypatch):
+    """The inspection's cache (``rkgb.disk_cache.MeasureCache``, beside the plan cache): a
+    second build of the same model and input measures nothing and plans the same; another
+    input shape, or another ``requires_grad`` of the input, is measured again."""
+    from rkgb.disk_cache import MeasureCache
+    from rockmate import api
+
+    monkeypatch.setenv("ROCKMATE_CACHE_DIR", str(tmp_path))
+    caches = []
+    monkeypatch.setattr(api, "_measure_cache", lambda: caches.append(MeasureCache(str(tmp_path / "measures")))
+                        or caches[-1])
+    model, sample = ZOO["gpt"].build(n_layer=2)
+    first = Rockmate(model, sample, 10**12, cost_model="measured", peak_steps=3, save_steps=3)
+    again = Rockmate(model, sample, 10**12, cost_model="measured", peak_steps=3, save_steps=3)
+    assert (caches[0].misses, caches[1].hits, caches[1].misses) == (1, 1, 0)
+    assert again.graphs.measures == first.graphs.measures
+    assert again.plan.schedule == first.plan.schedule and again.plan.predicted_peak == first.plan.predicted_peak
+    (tokens,) = sample
+    Rockmate(model, (tokens[:, :8],), 10**12, cost_model="measured", solver="none")
+    mlp, (x,) = ZOO["mlp"].build()
+    Rockmate(mlp, (x,), 10**12, cost_model="measured", solver="none")
+    Rockmate(mlp, (x.clone().requires_grad_(),), 10**12, cost_model="measured", solver="none")
+    Rockmate(mlp, (x,), 10**12, cost_model="measured", solver="none")
+    assert [cache.misses for cache in caches[2:]] == [1, 1, 1, 0]
+    assert len(list((tmp_path / "measures").glob("*.pkl"))) == 4
