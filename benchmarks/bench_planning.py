@@ -115,7 +115,15 @@ def _model(name: str):
 def _build(model, given, budget_fraction: float, cache: OptionCache, max_block_nodes):
     """A build at ``budget_fraction`` of the no-recomputation plan's peak; (Rockmate, seconds of
     the Rockmate build alone: capture, inspection, options, DP)."""
-    top = Rockmate(copy.deepcopy(model), **given, budget=10**13, solver="none", max_block_nodes=max_block_nodes)
+    cache_directory = os.environ.get("ROCKMATE_CACHE_DIR")
+    os.environ["ROCKMATE_CACHE_DIR"] = "off"  # (this build's measures are not the timed build's)
+    try:
+        top = Rockmate(copy.deepcopy(model), **given, budget=10**13, solver="none", max_block_nodes=max_block_nodes)
+    finally:
+        if cache_directory is None:
+            del os.environ["ROCKMATE_CACHE_DIR"]
+        else:
+            os.environ["ROCKMATE_CACHE_DIR"] = cache_directory
     budget = int(top.plan.predicted_peak * budget_fraction)
     start = time.perf_counter()
     try:
