@@ -34,6 +34,7 @@ class ModelGraphs:
     measures: list[BlockMeasure]
     model_chain: ModelChain
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    measures_from_cache: bool = False  # the measures were read from a MeasureCache
 
 
 def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
@@ -466,12 +467,15 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
         return inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats,
                              layouts=layouts or {})
 
+    from_cache = False
     if measure_cache is None:
         measures = measure()
     else:
         device = device_of(model, as_input_tuple(sample))
         key = measures_key(captured, chain, requires_grad, layouts or {}, device, cost_model, repeats)
+        hits = measure_cache.hits
         measures = measure_cache.get_or_compute(key, measure)
+        from_cache = measure_cache.hits > hits
     seconds["inspect"] = time.perf_counter() - clock
     clock = time.perf_counter()
     classes = [cdgraph_of_class(m) for m in measures]
@@ -490,4 +494,4 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     model_chain.first_run_bytes = {name: entries for name, entries in _input_grad_aliases(entries, measures, instances).items()
                                    if name in computes}  # the backwards of nodes without grad do not run
     seconds["cdgraph"] = time.perf_counter() - clock
-    return ModelGraphs(captured, simplified, chain, measures, model_chain, seconds)
+    return ModelGraphs(captured, simplified, chain, measures, model_chain, seconds, from_cache)

@@ -151,6 +151,10 @@ class Rockmate(nn.Module):
             floor, operation = _operation_floor(self.graphs)
             raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver, floor, operation)
         plan.timings = {**self.graphs.phase_seconds, **plan.timings}
+        if self.graphs.measures_from_cache:
+            plan.notes.append(f"the blocks' measures (memory and {build_options.cost_model} times) were read from the "
+                              f"disk cache ({default_directory()}/measures), taken by an earlier build of this graph "
+                              "on this device; ROCKMATE_CACHE_DIR=off measures again")
         self.plan = plan
         whole = self.graphs.model_chain.whole_graph()
         self.compiled = CompiledModule(

@@ -238,6 +238,8 @@ def test_a_second_build_reads_its_measures_from_disk(tmp_path, monkeypatch):
     again = Rockmate(model, sample, 10**12, cost_model="measured", peak_steps=3, save_steps=3)
     assert (caches[0].misses, caches[1].hits, caches[1].misses) == (1, 1, 0)
     assert again.graphs.measures == first.graphs.measures
+    assert again.graphs.measures_from_cache and not first.graphs.measures_from_cache
+    assert any("read from the disk cache" in note for note in again.plan.notes)
     assert again.plan.schedule == first.plan.schedule and again.plan.predicted_peak == first.plan.predicted_peak
     (tokens,) = sample
     Rockmate(model, (tokens[:, :8],), 10**12, cost_model="measured", solver="none")
