@@ -416,8 +416,10 @@ def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str,
     """The key of a build's measures in :class:`rkgb.disk_cache.MeasureCache`: what they depend
     on. The captured graph, node by node (its op, arguments, and its value's shape, strides,
     dtype, device and ``requires_grad``), which globals require grad, the chain of blocks and
-    classes, the gradient layouts, the device (with a GPU's name), torch's version, the cost
-    model and the graph builder's own source (:func:`rkgb.disk_cache.source_digest`). Not the
+    classes, the gradient layouts, the device (with a GPU's name), torch's version, the settings
+    that choose kernels (threads, deterministic algorithms, cuDNN, TF32: their scratch memory
+    and times), the cost model and the graph builder's own source
+    (:func:`rkgb.disk_cache.source_digest`). Not the
     values of tensors: no measure depends on them (but the timings, which a second build takes
     from the first)."""
     import hashlib
@@ -429,7 +431,11 @@ def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str,
              for node in captured.graph.nodes]
     blocks = [(b.index, b.class_index, tuple(b.nodes), b.input_node, tuple(b.side_inputs)) for b in chain.blocks]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    content = repr((source_digest(), torch.__version__, str(device), gpu, cost_model, repeats, lines,
+    # the settings that choose kernels (and so their scratch memory and times)
+    kernels = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+               torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+               torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    content = repr((source_digest(), torch.__version__, str(device), gpu, kernels, cost_model, repeats, lines,
                     sorted(requires_grad.items()), blocks, sorted((k, repr(v)) for k, v in layouts.items())))
     return hashlib.sha256(content.encode()).hexdigest()
 
