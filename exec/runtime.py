@@ -502,12 +502,12 @@ class CompiledModule(nn.Module):
         # a tensor the model returns several times is one object, behind one gate, as in eager:
         # the engine sums its gradients in that gate's buffer as they come (separate gates would
         # hold them all at once)
-        gated: dict[str, torch.Tensor] = {}
+        returned: dict[str, torch.Tensor] = {}
         for i, (output, name) in enumerate(zip(outputs, self.graph.outputs)):
-            if name in gated:
-                outputs[i] = gated[name]
-            elif output.requires_grad:
-                outputs[i] = gated[name] = _OutputGate.apply(output, handover, i)
+            if name in returned:
+                outputs[i] = returned[name]
+            else:
+                returned[name] = outputs[i] = _OutputGate.apply(output, handover, i) if output.requires_grad else output
         if self.graph.captured.output_is_tuple:
             return tuple(outputs)
         return outputs[0]

@@ -369,6 +369,19 @@ def test_a_tensor_returned_twice_is_one_object_whose_gradients_the_engine_sums()
     outputs = compiled(x)
     assert outputs[0] is outputs[1] and outputs[2] is outputs[3] and outputs[0] is not outputs[2]
 
+    class WithoutGrad(nn.Module):  # an output without grad, returned twice, beside one with
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = x.sin()
+            return y, y, self.lin(x)
+
+    plain = torch.randn(3, 4, 8)
+    outputs = Rockmate(WithoutGrad(), plain, 10**12, solver="none", cost_model="flops")(plain)
+    assert outputs[0] is outputs[1] and not outputs[0].requires_grad and outputs[2].requires_grad
+
     class InputThrice(nn.Module):
         def forward(self, x):
             F.dropout(x, 0.1, self.training)
