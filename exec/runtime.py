@@ -70,34 +70,14 @@ def _view_gradient(view_edge, base_edge, grad: torch.Tensor, sink) -> None:
     sink((base_grad,))
 
 
-def _backward_outputs(tensors: Sequence[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-    """Backward from the tensors that require grad and received a gradient.
-
-    A tensor returned several times gets one gradient per return; eager's engine sums them in
-    the buffer of the tensor's node, in place where it holds the first alone. They are summed
-    here the same way, in the order of the returns, each taken out of ``grads`` (the step's
-    list, emptied as it goes) so that it is freed once added: handed to the engine as separate
-    roots, they would all be held, and a new sum made beside them.
-    """
-    roots: list[torch.Tensor] = []
-    root_grads: list[torch.Tensor] = []
-    position: dict[int, int] = {}
-    for index, tensor in enumerate(tensors):
-        grad = grads[index]
-        if grad is None or not tensor.requires_grad:
-            continue
-        if isinstance(grads, list):
-            grads[index] = None
-        if id(tensor) in position:
-            at = position[id(tensor)]
-            old, root_grads[at] = root_grads[at], None
-            root_grads[at] = accumulate(old, grad, old._use_count() == 1)
-            del old
-        else:
-            position[id(tensor)] = len(roots)
+def _backward_outputs(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Backward from the tensors that require grad and received a gradient (a tensor returned
+    several times has one gate, so one gradient: :meth:`CompiledModule.forward`)."""
+    roots, root_grads = [], []
+    for tensor, grad in zip(tensors, grads):
+        if grad is not None and tensor.requires_grad:
             roots.append(tensor)
             root_grads.append(grad)
-        del grad
     if roots:
         torch.autograd.backward(roots, root_grads)  # checks shapes: the user's gradients
 

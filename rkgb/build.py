@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
 import operator
-
 import time
 from dataclasses import dataclass, field, replace
 
@@ -17,6 +17,7 @@ from .cdgraph import BlockInstance, CDGraph, ComputeKind, ComputeNode, DataKind,
 from .cdgraph import input_grad_key, input_views_key, parameter_sum_key
 from .cdgraph import compute_name as cname
 from .cdgraph import data_name as dname
+from .disk_cache import source_digest
 from .inspect import BlockMeasure, gradient_layouts, inspect_chain
 from .interpret import global_requires_grad, tensor_args
 from .simplify import SimplifiedGraph, gradient_needs, simplify, split_of_view
@@ -367,19 +368,18 @@ def _repeated_outputs_transient(simplified: SimplifiedGraph, needs, global_requi
     into in place), the next and their sum are held at once, before the sum alone is handed
     over. Two tensors of the largest such output beyond its gradient (sums are made one at a
     time)."""
+    repeated = {name for name in simplified.outputs if simplified.outputs.count(name) > 1}
     largest = 0
-    for name in set(simplified.outputs):
-        if simplified.outputs.count(name) < 2:
+    for line in simplified.captured.graph.nodes:
+        if line.name not in repeated:
             continue
-        owner = simplified.owner.get(name, name)
+        owner = simplified.owner.get(line.name, line.name)
         if owner in needs:
-            gets_gradient = needs[owner].exported.get(name, False)
+            gets_gradient = needs[owner].exported.get(line.name, False)
         else:
-            gets_gradient = global_requires_grad.get(name, global_requires_grad.get(owner, False))
-        line = next((line for line in simplified.captured.graph.nodes if line.name == name), None)
-        value = line.meta.get("val") if line is not None else None
-        if gets_gradient and isinstance(value, torch.Tensor):
-            largest = max(largest, _nbytes(value))
+            gets_gradient = global_requires_grad.get(line.name, global_requires_grad.get(owner, False))
+        if gets_gradient:
+            largest = max(largest, _nbytes(line.meta.get("val")))
     return 2 * largest
 
 
@@ -390,11 +390,13 @@ def _early_output_contributions(simplified: SimplifiedGraph, names: list[str], n
     return {grad: contributions for grad, contributions in found.items() if contributions is not None}
 
 
-def _count_repeated_outputs(graph: CDGraph, simplified: SimplifiedGraph, last: Block, needs) -> None:
+def _count_repeated_outputs(graph: CDGraph, simplified: SimplifiedGraph, last: Block, needs,
+                            global_requires_grad: dict[str, bool]) -> None:
     """The loss of the last block's class contributes to its outputs' gradients as the user's
-    loss does (:func:`_loss_contributions`): twice for ``return h, h`` (two gradients, which the
-    executor adds)."""
+    loss does (:func:`_loss_contributions`: once for ``return h, h``), with the temporary sums
+    of the repeated outputs' gradients (:func:`_repeated_outputs_transient`)."""
     loss = graph.loss
+    loss.overhead_bytes = _repeated_outputs_transient(simplified, needs, global_requires_grad)
     for anonymous, real in last.anonymous_names().items():
         grad = dname(anonymous, DataKind.GRAD)
         if grad not in loss.produces:
@@ -419,13 +421,8 @@ def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str,
     classes, the gradient layouts, the device (with a GPU's name), torch's version, the settings
     that choose kernels (threads, deterministic algorithms, cuDNN, TF32: their scratch memory
     and times), the cost model and the graph builder's own source
-    (:func:`rkgb.disk_cache.source_digest`). Not the
-    values of tensors: no measure depends on them (but the timings, which a second build takes
-    from the first)."""
-    import hashlib
-
-    from .disk_cache import source_digest
-
+    (:func:`rkgb.disk_cache.source_digest`). Not the values of tensors: no measure depends on
+    them (but the timings, which a second build takes from the first)."""
     lines = [(node.op, str(node.target), repr(node.args), repr(node.kwargs),
               [_tensor_signature(v) for v in tree_leaves(node.meta.get("val"))])
              for node in captured.graph.nodes]
@@ -469,6 +466,7 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     chain = cut_chain(simplified, needs, max_block_nodes)
     seconds["simplify_and_cut"] = time.perf_counter() - clock
     clock = time.perf_counter()
+
     def measure() -> list[BlockMeasure]:
         return inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats,
                              layouts=layouts or {})
@@ -486,9 +484,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     clock = time.perf_counter()
     classes = [cdgraph_of_class(m) for m in measures]
     if chain.blocks:
-        last_class = classes[chain.blocks[-1].class_index]
-        _count_repeated_outputs(last_class, simplified, chain.blocks[-1], needs)
-        last_class.loss.overhead_bytes = _repeated_outputs_transient(simplified, needs, requires_grad)
+        _count_repeated_outputs(classes[chain.blocks[-1].class_index], simplified, chain.blocks[-1], needs,
+                                requires_grad)
     instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
     last_nodes = set(chain.blocks[-1].nodes) if chain.blocks else set()
     early = [name for name in simplified.output_owners if name not in last_nodes]

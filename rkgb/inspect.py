@@ -158,9 +158,7 @@ class _Clock:
                 fn()
             return (counter.get_total_flops() / _FLOPS_PER_S + bytes_moved / _BYTES_PER_S
                     + random.count * _RANDOM_S_PER_ELEMENT)
-        with contextlib.ExitStack() as stack:
-            if self.device.type == "cpu":
-                stack.enter_context(_denormals_flushed())
+        with _denormals_flushed() if self.device.type == "cpu" else contextlib.nullcontext():
             return self._fastest(fn)
 
     def _fastest(self, fn) -> float:

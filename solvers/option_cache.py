@@ -104,7 +104,7 @@ class OptionCache:
             self.misses += 1
             entry = (times, compute())
             if path:
-                self._write(path, entry)
+                write_pickle(path, entry)
         self._entries[key] = entry
         self._entries.move_to_end(key)
         if len(self._entries) > self.capacity:
@@ -118,10 +118,6 @@ class OptionCache:
         entry = read_pickle(path)
         valid = isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple)
         return entry if valid else None
-
-    @staticmethod
-    def _write(path: str, value) -> None:
-        write_pickle(path, value)
 
 
 default_cache = OptionCache(directory=default_directory())
