@@ -305,11 +305,7 @@ def merge_regenerated_views(graph: torch.fx.Graph, targets: dict[str, object]) -
     seen: dict[tuple, torch.fx.Node] = {}
     merged = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        schema = node.target._schema
-        if not any(ret.alias_info is not None for ret in schema.returns) \
-                or any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments):
+        if node.op != "call_function" or not _returns_alias(node.target):
             continue
         origins = _origins(node)
         if not origins or any(targets.get(name) is node.target for name in origins):
@@ -323,6 +319,97 @@ def merge_regenerated_views(graph: torch.fx.Graph, targets: dict[str, object]) -
     if merged:
         graph.lint()
     return merged
+
+
+@dataclass(frozen=True)
+class _TracedView:
+    """A view op of the export's graph before functionalization: its target, the name of the
+    tensor it views and its other arguments (printed)."""
+
+    target: object
+    base: str
+    rest: str
+
+
+@dataclass
+class TracedProgram:
+    """The export's graph before functionalization, as :func:`place_regenerated_views` needs
+    it: each node's place (name -> index) and its view ops (name -> :class:`_TracedView`)."""
+
+    places: dict[str, int]
+    views: dict[str, _TracedView]
+
+    @classmethod
+    def of(cls, graph: torch.fx.Graph) -> "TracedProgram":
+        places, views = {}, {}
+        for place, node in enumerate(graph.nodes):
+            places[node.name] = place
+            if node.op == "call_function" and _returns_alias(node.target) and node.args \
+                    and isinstance(node.args[0], torch.fx.Node):
+                views[node.name] = _TracedView(node.target, node.args[0].name, repr(node.args[1:]))
+        return cls(places, views)
+
+
+def place_regenerated_views(graph: torch.fx.Graph, traced: TracedProgram) -> int:
+    """Move the views that functionalization made again at the end of the graph back to where
+    the program made them.
+
+    A returned view of a tensor the program writes in place (``out.mul_(y); v = out.view(s)``,
+    with later readers of ``out``) is dropped by functionalization and made again from the
+    written value just before the output, with no trace of its place (no ``from_node``, no stack
+    trace). Its place matters: eager's engine adds the view's gradient into its base's after the
+    gradients of the readers made after the view (:func:`exec.codegen._result_views_made_late`).
+    Each such view is matched with the traced view of the same op and arguments on the same base
+    (by the base's origins) that no functional node comes from, and moved before the first node
+    that comes from a traced node made after it. Returns how many were moved."""
+    place_of: dict[str, int] = {}
+    used: set[str] = set()
+    for node in graph.nodes:
+        origins = _origins(node)
+        used |= origins
+        places = [traced.places[name] for name in origins if name in traced.places]
+        if places:
+            place_of[node.name] = max(places)
+    moved = 0
+    matched: dict[str, str] = {}  # a regenerated view -> the traced view it is made again from
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.meta.get("from_node") or node.meta.get("stack_trace") \
+                or not _returns_alias(node.target) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        base = node.args[0]
+        base_names = _origins(base) | {matched.get(base.name, base.name)}
+        candidates = [name for name, view in traced.views.items()
+                      if name not in used and name not in matched.values() and view.target is node.target
+                      and view.base in base_names and view.rest == repr(node.args[1:])]
+        if not candidates:
+            continue
+        name = min(candidates, key=traced.places.__getitem__)
+        matched[node.name] = name
+        place = place_of[node.name] = traced.places[name]
+        later = next((other for other in _nodes_before(base.next, node) if place_of.get(other.name, -1) > place), None)
+        if later is not None:
+            later.prepend(node)
+            moved += 1
+    if moved:
+        graph.lint()
+    return moved
+
+
+def _nodes_before(first: torch.fx.Node, end: torch.fx.Node):
+    """The nodes from ``first`` up to ``end`` (excluded) in their graph, in order."""
+    current = first
+    while current is not end and current.op != "root":
+        yield current
+        current = current.next
+
+
+def _returns_alias(target) -> bool:
+    """Whether ``target`` is an ATen op that returns a view of an argument it does not write."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    schema = target._schema
+    return any(ret.alias_info is not None for ret in schema.returns) \
+        and not any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
 
 
 def storage_identity(value) -> object | None:
@@ -597,6 +684,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             exported = _export_along_eager_paths(model, args, printed)
             inplace = user_inplace_ops(exported.graph)
             targets = {node.name: node.target for node in exported.graph.nodes}
+            traced = TracedProgram.of(exported.graph)
             exported = exported.run_decompositions({})
     except Exception as error:  # torch raises many types; we re-raise one with context
         reason = str(error).strip().splitlines()
@@ -619,6 +707,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "forward (print, logging, counters in Python variables) run once, when Rockmate captures the "
             "model, not at each call of the compiled module", UserWarning, stacklevel=_stacklevel_of_caller())
 
+    place_regenerated_views(exported.graph, traced)
     renamed: dict[str, str] = {}
     restore_dropout(exported.graph, device_of(model, args), renamed)
     restore_inplace_writes(exported.graph, renamed)
