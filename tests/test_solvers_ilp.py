@@ -307,3 +307,27 @@ def test_ortools_backends_reach_cbcs_optimum():
     result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "cpsat" in result.stdout or "scip" in result.stdout
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_keeping_free_phantoms_and_lazy_ancestors_lose_no_optimum(seed):
+    """The phantoms of 0 bytes kept from forward to backward (``_free_phantoms``) and, lazily,
+    recomputations only of the stage's ancestors, change no optimum: the same minimum peak and
+    the same recomputation time at budgets across the range, as the model without them."""
+    graph = random_graph(random.Random(100 + seed), 5)
+    plain = RkCheckmateILP(graph, lazy_recompute=False, keep_free_phantoms=False)
+    reduced = RkCheckmateILP(graph, lazy_recompute=True, keep_free_phantoms=True)
+    lazy_plain = RkCheckmateILP(graph, lazy_recompute=True, keep_free_phantoms=False)
+    lowest = option_from_computes(graph, lazy_plain.solve(None, objective="peak", time_limit_s=20).computes).peak_bytes
+    assert option_from_computes(graph, reduced.solve(None, objective="peak", time_limit_s=20).computes).peak_bytes \
+        == lowest
+    top = option_from_computes(graph, [c.name for c in graph.compute_nodes]).peak_bytes
+    for peak in sorted({lowest + (top - lowest) * i // 4 for i in range(5)}):
+        times = []
+        for ilp in (lazy_plain, reduced):
+            solution = ilp.solve(peak, None, time_limit_s=20)
+            assert solution.feasible
+            times.append(option_from_computes(graph, solution.computes).time_s)
+        assert times[0] == pytest.approx(times[1], abs=1e-9), peak
+        assert plain.solve(peak, None, time_limit_s=20).feasible
+    assert reduced.free_phantoms  # 2-3 of each graph's 5 forwards
