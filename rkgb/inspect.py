@@ -10,7 +10,8 @@ through :class:`rkgb.saved.SavedTensors`. For each simplified node ``x`` we meas
 - the temporary memory of ``fwd_x`` and ``bwd_x``: the peak while the op runs above what was
   alive and what the op leaves behind (allocation tracking on CPU,
   ``torch.cuda.max_memory_allocated`` on CUDA; never process RSS);
-- forward and backward times: the fastest of repeats after one untimed run (CUDA events on
+- forward and backward times: the fastest of repeats after one untimed run (fewer for an op
+  whose samples add up to 50 ms; CUDA events on
   GPU; on CPU with denormal numbers flushed to zero, :func:`_denormals_flushed`), or a
   deterministic cost model from FLOPs, bytes and random numbers drawn
   (``cost_model="flops"``) for reproducible tests.
@@ -140,6 +141,10 @@ def _denormals_flushed():
         torch.set_flush_denormal(False)
 
 
+# seconds of timed runs after which an op's timing takes no more samples (:class:`_Clock`)
+SAMPLED_S = 0.05
+
+
 class _Clock:
     """Wall-clock timing (CUDA events on GPU) or the deterministic FLOP/byte model."""
 
@@ -163,8 +168,11 @@ class _Clock:
 
     def _fastest(self, fn) -> float:
         fn()  # untimed: the first run pays for cold caches and fresh pages, as training's steps do not
-        samples = []
-        for _ in range(self.repeats):
+        samples: list[float] = []
+        # up to ``repeats`` samples, but no more once they add up to SAMPLED_S: a slow op's noise
+        # is small beside its time (GPT-2 small's 10 ops over 20 ms, its lm head and loss among
+        # them, took 6.9 s of its 11.2 s inspection with 3 samples each)
+        while len(samples) < self.repeats and sum(samples) < SAMPLED_S:
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
