@@ -436,6 +436,9 @@ class _Generator:
                 for out in exported:
                     if info.exported_requires_grad[out]:
                         w(f"s.{self.island_names[out]} = gradient_edge({out})")
+                grad_outputs = [out for out in exported if info.exported_requires_grad[out]]
+                if len(grad_outputs) > 1:  # the root of its backward (rkgb.gradsink.handoff)
+                    w(f"s._handoff_{name} = handoff{self.tuple(grad_outputs)}")
             self.has_graph.add(name)
         for out in exported:
             if first:
@@ -495,9 +498,9 @@ class _Generator:
             w(f"if s.{out}.grad is not None:")
             w(f"    run_backward((s.{self.island_names[out]},), (s.{out}.grad,))")
         elif outs:
-            islands = self.tuple(f"s.{self.island_names[o]}" for o in outs)
-            grads = self.tuple(f"s.{o}.grad" for o in outs)
-            w(f"backward_edges({islands}, {grads})")
+            # the gradients go to the engine alone, which frees each once used, as eager's does
+            w(f"handoff_backward(s._handoff_{name}, {self.tuple(f's.{o}' for o in outs)})")
+            w(f"s._handoff_{name} = None")
         for out in outs:
             w(f"s.{self.island_names[out]} = None")
         # its contributions join the next gradients when the next compute starts, after the

@@ -20,7 +20,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
 from rkgb.cdgraph import parameter_sums
-from rkgb.gradsink import GradientQueue, GradSink, accumulate
+from rkgb.gradsink import GradientQueue, GradSink, accumulate, handoff, handoff_backward
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
 from solvers.schedule import Schedule
@@ -293,7 +293,8 @@ class _Runner:
             "rng_set": rng_set,
             "run_backward": _run_backward,
             "backward_outputs": _backward_outputs,
-            "backward_edges": _backward_edges,
+            "handoff": handoff,
+            "handoff_backward": handoff_backward,
             "view_gradient": _view_gradient,
             "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,

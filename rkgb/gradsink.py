@@ -311,3 +311,48 @@ class GradientQueue:
         self.delivered = set()
         for sink, total, _ in groups.values():
             sink((total,))
+
+
+class _Handoff(torch.autograd.Function):
+    """A root for an island's backward that hands the incoming gradients over to the engine.
+
+    ``torch.autograd.backward(outputs, grads)`` keeps ``grads`` in the graph's root until the
+    call ends, where eager's engine frees each gradient once the node it reaches has used it:
+    an island whose outputs are a result and views of it (``h``, ``h.chunk(2)``) held the three
+    incoming gradients and their sum through the result's backward. This node reads the island's
+    outputs (saving nothing) and returns an empty tensor; its backward returns the gradients set
+    on it (``pending``) and drops them, so that the engine's buffers hold them alone, as eager's
+    do (one sum, added in place, the same values)."""
+
+    @staticmethod
+    def forward(ctx, *outputs):
+        ctx.pending = None
+        return outputs[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        grads, ctx.pending = ctx.pending, None
+        return grads
+
+
+def handoff(*outputs: torch.Tensor) -> torch.Tensor:
+    """The root (:class:`_Handoff`) of the backward from ``outputs`` (island outputs)."""
+    with torch.enable_grad():
+        return _Handoff.apply(*outputs)
+
+
+def handoff_backward(root: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> None:
+    """Backward from the island outputs of ``root`` (:func:`handoff`) with the gradients that
+    ``leaves`` (their detached leaves, in order) hold; the leaves' ``.grad`` are cleared first:
+    the engine alone holds the gradients."""
+    grads = tuple(leaf.grad for leaf in leaves)
+    if all(grad is None for grad in grads):
+        return
+    for leaf in leaves:
+        leaf.grad = None
+    root.grad_fn.pending = grads
+    del grads
+    _ENGINE.run_backward((root,), (root.detach(),), False, False, (), True, True)
+
+
+_ENGINE = torch.autograd.Variable._execution_engine
