@@ -34,7 +34,7 @@ from .blocks import Block, Chain, side_name
 from .capture import as_input_tuple, device_of
 from .interpret import global_requires_grad, initial_environment, run_lines, tensor_args
 from .memory import measure_allocator_peak
-from .gradsink import GradientQueue, GradSink, handoff, handoff_backward
+from .gradsink import GradientQueue, GradSink, _non_overlapping_and_dense, handoff, handoff_backward
 from .saved import SavedTensors, storage_key
 from .simplify import OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs
 
@@ -558,8 +558,7 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
     return record
 
 
-def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tensor], is_output: bool,
-                     incoming: dict[int, int]) -> int:
+def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tensor], incoming: dict[int, int]) -> int:
     """The peak of an island's backward from several outputs, run as the executor runs it
     (:func:`rkgb.gradsink.handoff_backward`: the engine alone holds the incoming gradients and
     frees each once used), above what was allocated before it.
@@ -567,13 +566,11 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
     The CPU allocator does not report the free of a block allocated before a recording starts,
     so each incoming gradient that the executor's engine can free is first copied inside the
     recording (the same values and layout: a dense tensor holding its storage alone), whose
-    free is seen, and its bytes are taken off the peak. The gradients of the block's outputs
-    are not copied: the user's loss may hold them (the model's outputs), as the executor's
-    engine does not free them then. ``incoming`` (storage -> part of the gradient) follows the
-    copies."""
+    free is seen, and its bytes are taken off the peak. A gradient that is a view (the slices of
+    a ``cat``'s gradient) is not copied: its free is not credited. ``incoming`` (storage -> part
+    of the gradient) follows the copies."""
     root = handoff(*island)
-    copied = [i for i, leaf in enumerate(leaves) if leaf.grad is not None and not is_output
-              and _owns_its_storage(leaf.grad)]
+    copied = [i for i, leaf in enumerate(leaves) if leaf.grad is not None and _owns_its_storage(leaf.grad)]
     copied_bytes = sum(leaves[i].grad.untyped_storage().nbytes() for i in copied)
 
     def run():
@@ -589,8 +586,11 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
 
 
 def _owns_its_storage(tensor: torch.Tensor) -> bool:
-    """A dense tensor over all of its storage, which no other tensor holds."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 2 and tensor.is_contiguous() \
+    """A dense tensor over all of its storage, which no other tensor holds but its base (a
+    gradient made in a bigger buffer's layout, :func:`_output_gradient`)."""
+    holders = 2 + (tensor._base is not None)  # the tensor, the storage's wrapper, its base
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= holders \
+        and _non_overlapping_and_dense(tensor) \
         and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
 
 
@@ -768,10 +768,9 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 # as the executor: the engine runs, the incoming gradient and the phantoms go,
                 # then the contributions join the next gradients (the simulator's flush: not a
                 # temporary of this backward)
-                if len(islands[name]) > 1:
-                    peak = _measure_handoff(meter, islands[name], [leaf for leaf, _ in grad_leaves[name]],
-                                            False, incoming)
+                if len(islands[name]) > 1:  # several outputs: as the executor, rkgb.gradsink.handoff
                     box.clear()
+                    peak = _measure_handoff(meter, islands[name], [leaf for leaf, _ in grad_leaves[name]], incoming)
                 else:
                     peak = meter.measure(lambda: torch.autograd.backward(outputs, box.pop("grads")))
                 # the contributions to the inputs' gradients that the engine call made are
