@@ -282,8 +282,8 @@ def test_a_returned_result_read_through_chunks_holds_what_eager_holds():
     and one engine call from them held their incoming gradients and their sum until it ended,
     where eager's engine frees each once added: the plan without recomputation predicted 8016 B
     (measured 7792 B) against eager's 6752 B. The engine now holds them alone
-    (:func:`rkgb.gradsink.handoff_backward`): 7504 B predicted (the chunks' gradients, two views of
-    one storage, are not credited), 6768 B measured."""
+    (:func:`rkgb.gradsink.handoff_backward`): 6992 B predicted (the chunks' gradients, two views of
+    one storage, are not credited by the inspection), 6768 B measured."""
     import copy
 
     from exactness import DotLoss, eager_peak
