@@ -299,3 +299,13 @@ def test_a_returned_result_read_through_chunks_holds_what_eager_holds():
     none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", cost_model="flops")
     assert none.plan.predicted_peak <= eager + 2 * 512, (none.plan.predicted_peak, eager)
     check_program(program, 1.0, solver="none")
+
+
+@pytest.mark.xfail(strict=True, reason="open (fuzz seed 53, pre-existing): at the minimum, the layer norm's island, "
+                   "merged with the softmax before it, measures 1080 B above the plan in its backward (8376 B "
+                   "against 7296 B): over the budget by 528 B")
+def test_a_merged_layer_norm_and_softmax_stay_within_the_budget():
+    program = written([("index_assign", [0, 0]), ("reshape_softmax", [1]), ("layer_norm_plain", [2]),
+                       ("attention", [0, 3])], [0, 3, 4], batch=2, seq=4, dim=16, dtype=torch.float64,
+                      input_requires_grad=True, seed=65536)
+    check_program(program, 0.3)
