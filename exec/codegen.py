@@ -433,10 +433,9 @@ class _Generator:
             if merged_in:
                 w.comment(f"{self.merged[name]} reads these outputs: one island with it")
             else:
-                for out in exported:
-                    if info.exported_requires_grad[out]:
-                        w(f"s.{self.island_names[out]} = gradient_edge({out})")
                 grad_outputs = [out for out in exported if info.exported_requires_grad[out]]
+                for out in grad_outputs:
+                    w(f"s.{self.island_names[out]} = gradient_edge({out})")
                 if len(grad_outputs) > 1:  # the root of its backward (rkgb.gradsink.handoff)
                     w(f"s._handoff_{name} = handoff{self.tuple(grad_outputs)}")
             self.has_graph.add(name)

@@ -156,9 +156,8 @@ def plan_merges(graph, schedule: Schedule, infos, cdgraph=None, peak_limit: int 
     hand, with no budget); with ``cdgraph`` and ``peak_limit`` (the plan's simulated peak,
     with the first-run memory ``first_run_bytes`` of ``Plan``), merges are added by groups (all,
     else each half in turn) and kept only if the simulated peak of the executed order stays
-    within ``peak_limit``: a
-    merged backward runs the absorbed one earlier, and with it what that one allocates the
-    first time (an input's gradient).
+    within ``peak_limit``: a merged backward runs the absorbed one earlier, and with it what that
+    one allocates the first time (an input's gradient).
     """
     ops = schedule.ops
     candidates = {a: b for a, b in merge_candidates(graph, infos).items() if _fits_schedule(ops, a, b)}

@@ -55,13 +55,6 @@ def _run_backward(tensors: tuple, grads: tuple) -> None:
     _engine.run_backward(tensors, grads, False, False, (), True, True)
 
 
-def _backward_edges(edges: tuple, grads: tuple) -> None:
-    """Backward from the gradient edges of an island's outputs that received a gradient."""
-    pairs = [(edge, grad) for edge, grad in zip(edges, grads) if grad is not None]
-    if pairs:
-        _engine.run_backward(tuple(e for e, _ in pairs), tuple(g for _, g in pairs), False, False, (), True, True)
-
-
 def _view_gradient(view_edge, base_edge, grad: torch.Tensor, sink) -> None:
     """Pass a view's gradient through the view's backward alone (stopping at the result it views)
     into the result's gradient sink: where eager's engine runs the view's backward, before the

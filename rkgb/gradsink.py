@@ -128,6 +128,15 @@ def _storage_held_alone(tensor: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 2
 
 
+def owns_its_storage(tensor: torch.Tensor) -> bool:
+    """A dense tensor over all of its storage, which no other tensor holds but its own base (a
+    gradient made in a bigger buffer's layout): what the engine frees when it drops the tensor."""
+    holders = 2 + (tensor._base is not None)  # the tensor, the storage's wrapper, its base
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= holders \
+        and _non_overlapping_and_dense(tensor) \
+        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+
+
 def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
     from torch._prims_common import is_non_overlapping_and_dense_or_false
 

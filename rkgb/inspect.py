@@ -34,7 +34,7 @@ from .blocks import Block, Chain, side_name
 from .capture import as_input_tuple, device_of
 from .interpret import global_requires_grad, initial_environment, run_lines, tensor_args
 from .memory import measure_allocator_peak
-from .gradsink import GradientQueue, GradSink, _non_overlapping_and_dense, handoff, handoff_backward
+from .gradsink import GradientQueue, GradSink, handoff, handoff_backward, owns_its_storage
 from .saved import SavedTensors, storage_key
 from .simplify import OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs
 
@@ -570,7 +570,7 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
     a ``cat``'s gradient) is not copied: its free is not credited. ``incoming`` (storage -> part
     of the gradient) follows the copies."""
     root = handoff(*island)
-    copied = [i for i, leaf in enumerate(leaves) if leaf.grad is not None and _owns_its_storage(leaf.grad)]
+    copied = [i for i, leaf in enumerate(leaves) if leaf.grad is not None and owns_its_storage(leaf.grad)]
     copied_bytes = sum(leaves[i].grad.untyped_storage().nbytes() for i in copied)
 
     def run():
@@ -583,15 +583,6 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
         handoff_backward(root, tuple(leaves))
 
     return meter.measure(run) - copied_bytes
-
-
-def _owns_its_storage(tensor: torch.Tensor) -> bool:
-    """A dense tensor over all of its storage, which no other tensor holds but its base (a
-    gradient made in a bigger buffer's layout, :func:`_output_gradient`)."""
-    holders = 2 + (tensor._base is not None)  # the tensor, the storage's wrapper, its base
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= holders \
-        and _non_overlapping_and_dense(tensor) \
-        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
 
 
 def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts, needs,

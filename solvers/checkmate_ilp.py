@@ -333,10 +333,11 @@ class RkCheckmateILP:
         self.saved_vars = {d: v for (t, d), v in alive_at_start.items() if t == loss}
         # phantoms that cost nothing: kept from the forward to the backward (module docstring)
         self.free_phantoms = _free_phantoms(graph, [nodes[k] for k in forwards]) if keep_free_phantoms else set()
-        self.kept_alive = {v.name for (t, d), v in alive_at_start.items() if d in self.free_phantoms}
+        self.kept_alive: set[str] = set()  # their liveness variables (fix_liveness restores them)
         for (t, d), v in alive_at_start.items():
             if d in self.free_phantoms:
                 v.lowBound = 1
+                self.kept_alive.add(v.name)
 
         def run(r: pulp.LpVariable | None) -> object:
             return 1 if r is None else r
