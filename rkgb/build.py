@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .blocks import INPUT_NAME, Block, Chain, cut_chain
+from .blocks import INPUT_NAME, Block, BlockClass, Chain, cut_chain
 from .capture import CapturedGraph, as_input_tuple, capture, device_of
 from .cdgraph import BlockInstance, CDGraph, ComputeKind, ComputeNode, DataKind, DataNode, FirstRun, ModelChain
 from .cdgraph import input_grad_key, input_views_key, parameter_sum_key
@@ -437,6 +437,16 @@ def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str,
     return hashlib.sha256(content.encode()).hexdigest()
 
 
+def _with_classes(chain: Chain, classes_of_blocks: list[int]) -> Chain:
+    """``chain`` with each block in the class ``classes_of_blocks`` gives it (in place)."""
+    members: dict[int, list[int]] = {}
+    for block, index in zip(chain.blocks, classes_of_blocks):
+        block.class_index = index
+        members.setdefault(index, []).append(block.index)
+    chain.classes = [BlockClass(index, members[index]) for index in sorted(members)]
+    return chain
+
+
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3,
           grad_accumulation: bool = True, max_block_nodes: int | None = 40, measure_cache=None) -> ModelGraphs:
     """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
@@ -467,19 +477,23 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     seconds["simplify_and_cut"] = time.perf_counter() - clock
     clock = time.perf_counter()
 
-    def measure() -> list[BlockMeasure]:
-        return inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats,
-                             layouts=layouts or {})
+    def measure() -> list:
+        """The measures, and the class of each block (inspection splits a class whose blocks
+        receive their gradients in different layouts, :func:`rkgb.inspect.split_by_output_layouts`)."""
+        measures = inspect_chain(simplified, chain, model, sample, cost_model=cost_model, repeats=repeats,
+                                 layouts=layouts or {})
+        return [[block.class_index for block in chain.blocks], measures]
 
     from_cache = False
     if measure_cache is None:
-        measures = measure()
+        classes_of_blocks, measures = measure()
     else:
         device = device_of(model, as_input_tuple(sample))
         key = measures_key(captured, chain, requires_grad, layouts or {}, device, cost_model, repeats)
         hits = measure_cache.hits
-        measures = measure_cache.get_or_compute(key, measure)
+        classes_of_blocks, measures = measure_cache.get_or_compute(key, measure)
         from_cache = measure_cache.hits > hits
+    chain = _with_classes(chain, classes_of_blocks)
     seconds["inspect"] = time.perf_counter() - clock
     clock = time.perf_counter()
     classes = [cdgraph_of_class(m) for m in measures]

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .blocks import Block, Chain, side_name
+from .blocks import Block, BlockClass, Chain, side_name
 from .capture import as_input_tuple, device_of
 from .interpret import global_requires_grad, initial_environment, run_lines, tensor_args
 from .memory import measure_allocator_peak
@@ -263,12 +263,14 @@ def inspect_chain(
     # block whose output layout was wrong is measured again, which can change the layout it
     # gives its own input: passes until none changes (one where the traced ones were right)
     measures: dict[int, BlockMeasure] = {}
+    split_by_output_layouts(graph, chain, layouts)
+    representatives = {cls.representative: cls.index for cls in chain.classes}
     again = representatives
     # the real layouts of the results, by fx name: found by the first pass, which runs every
     # block up to the last representative; a later pass re-measures some blocks only, whose
     # inputs are synthesized with these layouts (not the traced ones)
     strides: dict[str, tuple[int, ...]] = {}
-    for _ in range(len(chain.classes) + 1):
+    for _ in range(len(chain.blocks) + 1):
         received: dict[str, GradLayout] = {}
         measures.update(_inspect_blocks(graph, chain, model, sample, device, needs, clock, again,
                                         last_use, saved_grads, layouts, received, strides))
@@ -277,11 +279,52 @@ def inspect_chain(
         if not corrected:
             break
         layouts = {**layouts, **corrected}
-        stale = {chain.blocks[b.index - 1].class_index for b in chain.blocks
-                 if b.index > 0 and b.input_node is not None
-                 and any(n in corrected for n in graph.exported(graph.node(b.input_node)))}
-        again = {r: c for r, c in representatives.items() if c in stale}
+        # a block of a class whose output gradient now differs from its representative's is a
+        # class of its own (its backward's memory, and the layout it gives its input, differ)
+        stale = split_by_output_layouts(graph, chain, layouts)
+        stale |= {chain.blocks[b.index - 1].class_index for b in chain.blocks
+                  if b.index > 0 and b.input_node is not None
+                  and chain.blocks[b.index - 1].index == chain.classes[chain.blocks[b.index - 1].class_index].representative
+                  and any(n in corrected for n in graph.exported(graph.node(b.input_node)))}
+        again = {cls.representative: cls.index for cls in chain.classes if cls.index in stale}
     return [measures[i] for i in range(len(chain.classes))]
+
+
+def _output_layouts(graph: SimplifiedGraph, block: Block, layouts: dict[str, GradLayout]) -> tuple:
+    """The layouts of the gradients that ``block``'s outputs receive, in the order of its
+    (class-level) outputs."""
+    return tuple(layouts.get(name) for node in block.output_nodes for name in graph.exported(graph.node(node)))
+
+
+def split_by_output_layouts(graph: SimplifiedGraph, chain: Chain, layouts: dict[str, GradLayout]) -> set[int]:
+    """Split each class of ``chain`` (in place) into classes whose blocks' outputs receive their
+    gradients in the same layouts; returns the indices of the new classes.
+
+    Identical blocks are one class because one measure holds for all, but a backward's memory
+    depends on the layout of the gradient it receives, which the next block decides (a CPU
+    batch norm over a transposed input hands back a gradient in the input's transposed
+    layout; the elementwise ops before it keep that layout, and a convolution's backward
+    copies it to its own). The blocks that keep the representative's layouts stay in its
+    class; each other group of layouts becomes a class, its first block its representative.
+    """
+    new: set[int] = set()
+    for cls in list(chain.classes):
+        groups: dict[tuple, list[int]] = {}
+        for index in cls.blocks:
+            groups.setdefault(_output_layouts(graph, chain.blocks[index], layouts), []).append(index)
+        if len(groups) == 1:
+            continue
+        own = _output_layouts(graph, chain.blocks[cls.representative], layouts)
+        for signature, members in groups.items():
+            if signature == own:
+                cls.blocks = members
+                continue
+            split = BlockClass(len(chain.classes), members)
+            chain.classes.append(split)
+            for index in members:
+                chain.blocks[index].class_index = split.index
+            new.add(split.index)
+    return new
 
 
 def _received_layouts(graph: SimplifiedGraph, chain: Chain,

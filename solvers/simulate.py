@@ -215,15 +215,17 @@ class _Storages:
 
     def flush(self, only: str | None = None) -> int:
         """Add the waiting contributions (to gradient ``only``, or all) into their gradients;
-        return the peak while it runs."""
-        peak = self.memory
+        return the peak while it runs: what was there, plus the biggest new sum (the executor
+        hands the contributions over in the order the engine made them, which the CD-graph does
+        not know: a sum may come before the contributions added in place are freed)."""
+        start = peak = self.memory
         flushed = [entry for entry in self.pending if only is None or entry[0] == only]
         for d, i, storage in flushed:
             held = self.storage[d][i]
             # shared: old + grad, a new tensor; so for a model input's gradient, whose sink may
             # hold a view of a bigger tensor or a group's sum (not told apart here)
             if self.holders[held] > 1 or held in self.shared or d in self.first_run_sizes:
-                peak = max(peak, self.memory + self._part_size(d, i))
+                peak = max(peak, start + self._part_size(d, i))
                 self._hold_new(d, i)  # then the old one goes
             self._release(storage)  # the contribution (added in place into a gradient held alone)
         self.pending = [entry for entry in self.pending if entry not in flushed]
