@@ -548,6 +548,13 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
                 if line not in prologue:
                     prologue.append(line)
     for name in outputs:
+        if name in input_views and name not in owner:
+            chain = " -> ".join(line.name for line in static[name])
+            raise UnsupportedOperation(
+                f"output {name!r} is a view of a view of a model input ({chain}); Rockmate returns an "
+                "input itself or one view of it: return the input's view in one op (e.g. one "
+                "`reshape`), or a copy of it (`.clone()`)"
+            )
         if name in static and name not in owner:  # (an input's view is static and a global)
             raise UnsupportedOperation(
                 f"output {name!r} does not depend on the model's inputs; Rockmate needs outputs "

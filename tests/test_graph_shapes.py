@@ -240,6 +240,21 @@ def test_item_in_forward_is_a_clear_error():
         Rockmate(Item(), torch.randn(4, 16), 10**9, cost_model="flops")
 
 
+def test_a_returned_view_of_a_view_of_the_input_is_a_clear_error():
+    class Views(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            flat = x.view(x.shape[0], -1)
+            return self.lin(x), flat.view(x.shape)
+
+    with pytest.raises(UnsupportedOperation, match=r"output 'view_1' is a view of a view of a model input "
+                                                    r"\(view -> view_1\)"):
+        Rockmate(Views(), torch.randn(4, 2, 16, requires_grad=True), 10**9, cost_model="flops")
+
+
 def test_forward_hooks_are_a_clear_error():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     model[0].register_forward_hook(lambda module, args, output: None)
