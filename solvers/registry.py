@@ -98,6 +98,31 @@ def _infeasible(chain: ModelChain, budget: int, name: str, minimum: int, **field
     )
 
 
+def _keep_side_inputs(chain: ModelChain, ops: list[Operation]) -> list[Operation]:
+    """``ops`` without the forgets of a side input (``rkgb.blocks``) that a later operation reads.
+
+    A side input is also the chain input of the block after its producer, which a no-grad
+    forward forgets once it has run (``ChainAction.forget_input``), and a block's options
+    forget their input: the chain's figures hold a side input from its producer on
+    (:func:`side_offsets`), so a forget while a later block still reads it is dropped (a Llama
+    cut with ``max_block_nodes=10`` read a residual after its forget)."""
+    side = {renamed_data(d, block.names) for block in chain.blocks for d in chain.classes[block.class_index].side_data}
+    if not side:
+        return ops
+    graph = chain.whole_graph()
+    read_later: set[str] = set()
+    kept: list[Operation] = []
+    for op in reversed(ops):
+        if isinstance(op, Forget):
+            if op.node in side and op.node in read_later:
+                continue
+        elif graph.has_compute(op.node):
+            read_later.update(d for d in graph.compute(op.node).needs if d in side)
+        kept.append(op)
+    kept.reverse()
+    return kept
+
+
 def side_offsets(chain: ModelChain) -> tuple[list[int], list[int]]:
     """Bytes that each block's figures leave out and the chain holds while the block runs: the
     side inputs (``rkgb.blocks``) and the model's outputs made by earlier blocks, alive from
@@ -223,7 +248,8 @@ class ChainPlanner:
 
     def instantiate(self, chain: ModelChain, per_block: list[list[BlockOption]], actions: list[ChainAction]) -> Schedule:
         """The whole-model schedule of a chain strategy (real node names). A model output made
-        before the last block (``rkgb.blocks``) is never forgotten: the user holds it."""
+        before the last block (``rkgb.blocks``) is never forgotten: the user holds it; nor is a
+        side input while a later operation reads it (:func:`_keep_side_inputs`)."""
         held = set(chain.early_outputs)
         ops: list[Operation] = []
         for a in actions:
@@ -244,7 +270,7 @@ class ChainPlanner:
             elif a.kind == "forget_output":
                 ops += [Forget(real) for real in (renamed_data(d, block.names) for d in graph.output_data)
                         if real not in held]
-        return Schedule(ops)
+        return Schedule(_keep_side_inputs(chain, ops))
 
     def solve(self, chain: ModelChain, budget: int) -> Plan:
         plan = self._solve(chain, budget)
