@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from rkgb.interpret import tensor_args
+from rkgb.interpret import batch_norms_in_place, tensor_args
 from rkgb.simplify import SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, split_of_view
 from solvers.schedule import Compute, Forget, Schedule
 
@@ -44,6 +44,10 @@ MARKER_PREFIX = "rockmate:op:"  # profiler ranges of schedule operations (marker
 
 class ScheduleError(ValueError):
     """The schedule cannot be executed on this graph (unknown node, missing autograd graph)."""
+
+
+# the generated call of the functional batch norm, whose name the runtime's helpers replace
+BATCH_NORM_CALL = "aten._native_batch_norm_legit_functional.default"
 
 
 @dataclass
@@ -406,10 +410,29 @@ class _Generator:
         self.split_aliases = []
         reads = self.split_reads(w, node) if with_grad else {}
         outputs = {out.fx_name for out in node.outputs}
+        at_once = self.graph.updates_written_at_once(node) if first else set()
+        # batch norms run as eager runs them: the running statistics updated in place at the
+        # first run, left alone at the others (rkgb.interpret.batch_norms_in_place)
+        in_place = batch_norms_in_place(self.graph, node)
+        written: list[tuple[str, str]] = []  # (buffer global, new value) written after the island
         for line in node.lines:
             update = info.updates.get(line.name)  # the buffer this line's value is the new value of
+            if line.name in in_place:
+                function = "batch_norm_updating" if first else "batch_norm_not_updating"
+                call = self.call(line, reads.get(line.name))
+                assert call.startswith(BATCH_NORM_CALL + "("), call
+                w(f"{line.name} = {function}{call[len(BATCH_NORM_CALL):]}")
+                self.local_values[line.name] = line.name
+                local_names.append(line.name)
+                continue
             if update is not None and line.name not in outputs:
-                if first:  # once per step, never on recomputation
+                if line.target is operator.getitem and line.args[0].name in in_place:
+                    continue  # the buffer itself, written in place by the batch norm
+                if first and line.name in at_once:  # written as soon as the island has run
+                    variable = f"new_{self._buffer_global(update)}"
+                    w(f"{variable} = {self.call(line, reads.get(line.name))}")
+                    written.append((self._buffer_global(update), variable))
+                elif first:  # once per step, never on recomputation
                     self._buffer_update(w, update, self.call(line, reads.get(line.name)))
                 continue
             w(f"{line.name} = {self.call(line, reads.get(line.name))}")
@@ -420,6 +443,12 @@ class _Generator:
                 # written from the first run's value when the forward ends
                 self._buffer_update(w, update, line.name)
         w.indent -= 1
+        if written:
+            w.comment("new values of the buffers, once per step, written in place as eager does")
+            w("with no_grad():")
+            for buffer, value in written:
+                w(f"    {buffer}.copy_({value})")
+            w(f"del {', '.join(value for _, value in written)}")
         if self.split_aliases:
             w("release_uses()")
             local_names += self.split_aliases

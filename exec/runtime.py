@@ -21,6 +21,7 @@ from torch.autograd.graph import get_gradient_edge
 from rkgb.capture import as_input_tuple
 from rkgb.cdgraph import parameter_sums
 from rkgb.gradsink import GradientQueue, GradSink, accumulate, handoff, handoff_backward
+from rkgb.interpret import batch_norm_not_updating, batch_norm_updating
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
 from solvers.schedule import Schedule
@@ -292,6 +293,8 @@ class _Runner:
             "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,
             "grad_sink": GradSink,
+            "batch_norm_updating": batch_norm_updating,
+            "batch_norm_not_updating": batch_norm_not_updating,
             # a plan that counts the shared parameters' sums (grad_accumulation=True), or a
             # module without a plan's first-run memory, sums apart; another refuses to
             "stash_grad": _stash_grad if module.first_run_bytes is None or parameter_sums(module.first_run_bytes)

@@ -210,9 +210,12 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
             result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
                 FirstRun(f"{name}.snapshot", size, only_if_rerun=True))
     for node in graph.nodes:
-        if node.buffer_updates:  # the buffers' new values, written when the forward ends
+        # the buffers' new values, written when the forward ends (those written at once are
+        # temporaries of the node's first run: its measured overhead)
+        late = [name for name in node.buffer_updates if name not in graph.updates_written_at_once(node)]
+        if late:
             lines = {line.name: line for line in node.lines}
-            size = sum(_nbytes(lines[name].meta["val"]) for name in node.buffer_updates)
+            size = sum(_nbytes(lines[name].meta["val"]) for name in late)
             result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
                 FirstRun(f"{node.name}.buffer_update", size, until_loss=True, in_overhead=True))
     # a view of a node's result made in each of its readers (rkgb.simplify, view groups): the

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from .blocks import Block, BlockClass, Chain, side_name
 from .capture import as_input_tuple, device_of
-from .interpret import global_requires_grad, initial_environment, run_lines, tensor_args
+from .interpret import global_requires_grad, initial_environment, inspected_targets, run_lines, tensor_args
 from .memory import measure_allocator_peak
 from .gradsink import GradientQueue, GradSink, handoff, handoff_backward, owns_its_storage
 from .saved import SavedTensors, storage_key
@@ -711,11 +711,12 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             lines = node.lines
             exported = graph.exported(node)
             result: dict[str, object] = {}
+            targets = inspected_targets(graph, node)  # batch norms that eager's op runs in place
 
             def forward_no_grad():
                 scratch = dict(env)
                 with torch.no_grad():
-                    run_lines(lines, scratch)
+                    run_lines(lines, scratch, targets)
 
             no_grad_peak = meter.measure(forward_no_grad)
 
@@ -723,7 +724,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
 
             def forward_with_grad():
                 with saved.island(name), torch.set_grad_enabled(requires_grad):
-                    aliases[name] = run_island_lines(lines, env, sink_of, queue, position)
+                    aliases[name] = run_island_lines(lines, env, sink_of, queue, position, targets)
                 values = [env[n] for n in exported]
                 saved.finish_island(name, values)
                 result["exported"] = values
@@ -739,7 +740,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             data_bytes = _storage_bytes(result["outputs"] + values)
             phantom_bytes = saved.phantom_bytes(name)
 
-            forward_time = clock(_rerun(lines, env, requires_grad), data_bytes)
+            forward_time = clock(_rerun(lines, env, requires_grad, targets), data_bytes)
             islands[name] = [t for t, out in zip(values, exported) if needs[name].exported[out]]
             make_leaves(node, exported, values)
             values = None
@@ -878,10 +879,12 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     )
 
 
-def run_island_lines(lines, env, sinks: dict[str, GradSink], queue: GradientQueue, position: dict[str, int]) -> list[torch.Tensor]:
+def run_island_lines(lines, env, sinks: dict[str, GradSink], queue: GradientQueue, position: dict[str, int],
+                     targets: dict | None = None) -> list[torch.Tensor]:
     """Run an island's lines as the executor does (:func:`exec.codegen`): each read of a leaf
     that the island reads more than once goes through its own alias
-    (:class:`rkgb.gradsink.GradientQueue`). Returns the aliases made."""
+    (:class:`rkgb.gradsink.GradientQueue`); ``targets``: functions called instead of some
+    lines' own (:func:`rkgb.interpret.inspected_targets`). Returns the aliases made."""
     reads: dict[str, int] = {}
     for line in lines:
         for arg in tensor_args(line):
@@ -901,16 +904,17 @@ def run_island_lines(lines, env, sinks: dict[str, GradSink], queue: GradientQueu
             return alias
 
         args, kwargs = torch.fx.node.map_arg((line.args, line.kwargs), fetch)
-        env[line.name] = line.target(*args, **kwargs)
+        target = targets.get(line.name, line.target) if targets else line.target
+        env[line.name] = target(*args, **kwargs)
     queue.release()
     return made
 
 
-def _rerun(lines, env, with_grad: bool):
+def _rerun(lines, env, with_grad: bool, targets: dict | None = None):
     """A function that runs ``lines`` again on a copy of ``env`` (for timing)."""
 
     def run():
         with torch.set_grad_enabled(with_grad):
-            run_lines(lines, dict(env))
+            run_lines(lines, dict(env), targets)
 
     return run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable
 
 import torch
@@ -11,14 +12,62 @@ from torch import nn
 from .capture import as_input_tuple
 from .simplify import SimplifiedGraph, SimplifiedNode
 
-__all__ = ["run_lines", "tensor_args", "initial_environment", "global_requires_grad", "run_simplified_forward"]
+__all__ = ["run_lines", "tensor_args", "initial_environment", "global_requires_grad", "run_simplified_forward",
+           "batch_norm_updating", "batch_norm_not_updating", "batch_norms_in_place", "inspected_targets"]
 
 
-def run_lines(lines: Iterable[torch.fx.Node], env: dict[str, object]) -> None:
-    """Execute fx nodes in order, reading their arguments from and writing results to ``env``."""
+def run_lines(lines: Iterable[torch.fx.Node], env: dict[str, object], targets: dict | None = None) -> None:
+    """Execute fx nodes in order, reading their arguments from and writing results to ``env``
+    (``targets``: the function to call instead of a line's own target, by line name)."""
     for fx_node in lines:
         args, kwargs = torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), lambda n: env[n.name])
-        env[fx_node.name] = fx_node.target(*args, **kwargs)
+        target = targets.get(fx_node.name, fx_node.target) if targets else fx_node.target
+        env[fx_node.name] = target(*args, **kwargs)
+
+
+FUNCTIONAL_BATCH_NORM = torch.ops.aten._native_batch_norm_legit_functional.default
+
+
+def batch_norm_updating(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """The functional batch norm's five results as eager makes them: the running statistics
+    updated in place (``aten._native_batch_norm_legit``), the buffers themselves returned as
+    their new values. The functional op updates copies of them (two tensors more, which eager
+    does not have); the normalized result, the saved statistics and the new running
+    statistics are the same, bit for bit."""
+    result, mean, rstd = torch.ops.aten._native_batch_norm_legit.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return result, mean, rstd, running_mean, running_var
+
+
+def batch_norm_not_updating(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """The functional batch norm run again (a recomputation, the inspection): the same result
+    and saved statistics from the batch (training mode reads no running statistics), the
+    buffers left alone and returned unchanged (``aten._native_batch_norm_legit.no_stats``)."""
+    result, mean, rstd = torch.ops.aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    return result, mean, rstd, running_mean, running_var
+
+
+def batch_norms_in_place(graph: SimplifiedGraph, node) -> set[str]:
+    """The lines of ``node`` that are training-mode functional batch norms whose new running
+    statistics the step writes at once (:meth:`SimplifiedGraph.updates_written_at_once`): the
+    executor runs :func:`batch_norm_updating` at the node's first run and
+    :func:`batch_norm_not_updating` at the others, the inspection the latter."""
+    at_once = graph.updates_written_at_once(node)
+    if not at_once:
+        return set()
+    found = set()
+    for line in node.lines:
+        if line.target is FUNCTIONAL_BATCH_NORM and line.args[5] is True:
+            updates = [user for user in line.users if user.target is operator.getitem and user.args[1] in (3, 4)]
+            if updates and all(user.name in at_once for user in updates):
+                found.add(line.name)
+    return found
+
+
+def inspected_targets(graph: SimplifiedGraph, node) -> dict:
+    """The functions the inspection calls instead of some of ``node``'s lines (see
+    :func:`batch_norms_in_place`)."""
+    return {name: batch_norm_not_updating for name in batch_norms_in_place(graph, node)}
 
 
 def tensor_args(line: torch.fx.Node) -> list[torch.fx.Node]:

@@ -191,6 +191,23 @@ class SimplifiedGraph:
     def __post_init__(self) -> None:
         self._by_name = {node.name: node for node in self.nodes}
 
+    def updates_written_at_once(self, node: SimplifiedNode) -> set[str]:
+        """The lines of ``node`` whose values are new values of buffers that the step writes as
+        soon as the node's first run makes them (the others wait for the forward's end).
+
+        Eager writes a BatchNorm's running statistics in place while it runs; the functional
+        graph returns new values instead. A new value that no line reads again, of a buffer that
+        no node reads but to update statistics (``snapshot_buffers``: a recomputation reads the
+        buffer as the step found it), is written at once: holding it to the forward's end kept
+        two small tensors per batch norm that eager does not have."""
+        if not node.buffer_updates:
+            return set()
+        kept = {placeholder for placeholder in self.snapshot_buffers()}
+        placeholders = {path: name for name, path in self.captured.buffers.items()}
+        outputs = {out.fx_name for out in node.outputs}
+        return {line for line, path in node.buffer_updates.items()
+                if line not in outputs and placeholders.get(path) not in kept}
+
     def snapshot_buffers(self) -> list[str]:
         """Placeholders of the buffers that the step updates and that a node reads.
 
