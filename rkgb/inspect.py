@@ -601,7 +601,34 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
     return record
 
 
-def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tensor], incoming: dict[int, int]) -> int:
+def _phantoms_in_recording(saved: SavedTensors, node: str):
+    """``(move, bytes)``: ``move()``, called first inside a recording, replaces the phantoms of
+    ``node`` that hold their storage alone with copies, so that the recording sees them freed
+    when the backward's autograd nodes that saved them have run (the executor's backward frees
+    each then, as eager's engine does: :attr:`rkgb.saved.SavedTensors.consume`); ``bytes``
+    (theirs) is to be taken off the recording's peak. The CPU allocator does not report the
+    free of a block allocated before a recording; a phantom that shares its storage with
+    another tensor is not copied: its free is not credited."""
+    groups: dict[int, list] = {}
+    for packed in saved.phantom_packs(node):
+        groups.setdefault(id(packed.tensor), []).append(packed)
+    movable = [group for group in groups.values() if owns_its_storage(group[0].tensor)]
+    keys = {storage_key(group[0].tensor) for group in movable}
+    if len(keys) < len(movable):  # two tensors over one storage: not told apart, not copied
+        return (lambda: None), 0
+    moved = sum(group[0].tensor.untyped_storage().nbytes() for group in movable)
+
+    def move() -> None:
+        for group in movable:
+            copy = group[0].tensor.clone()
+            for packed in group:
+                packed.tensor = copy
+
+    return move, moved
+
+
+def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tensor], incoming: dict[int, int],
+                     phantoms=((lambda: None), 0)) -> int:
     """The peak of an island's backward from several outputs, run as the executor runs it
     (:func:`rkgb.gradsink.handoff_backward`: the engine alone holds the incoming gradients and
     frees each once used), above what was allocated before it.
@@ -616,7 +643,10 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
     copied = [i for i, leaf in enumerate(leaves) if leaf.grad is not None and owns_its_storage(leaf.grad)]
     copied_bytes = sum(leaves[i].grad.untyped_storage().nbytes() for i in copied)
 
+    move, moved = phantoms
+
     def run():
+        move()
         for i in copied:
             old_key = storage_key(leaves[i].grad)
             leaves[i].grad = leaves[i].grad.clone()
@@ -625,7 +655,7 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
                 incoming[storage_key(leaves[i].grad)] = part
         handoff_backward(root, tuple(leaves))
 
-    return meter.measure(run) - copied_bytes
+    return meter.measure(run) - copied_bytes - moved
 
 
 def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts, needs,
@@ -790,10 +820,12 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             measure.grads_to = [anonymous[d] for d in targets]
             inputs = dep_leaves + aliases.pop(name, []) + params
             if outputs:
+                saved.consume = False  # the timings keep the graph (and so the phantoms)
                 measure.backward_time_s = clock(
                     lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True),
                     measure.data_bytes + new_grad_bytes,
                 )
+                saved.consume = True
                 box = {"grads": grads}
                 grads = pairs = None
                 for leaf in input_leaves:
@@ -803,11 +835,18 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 # as the executor: the engine runs, the incoming gradient and the phantoms go,
                 # then the contributions join the next gradients (the simulator's flush: not a
                 # temporary of this backward)
+                phantoms = _phantoms_in_recording(saved, name)
                 if len(islands[name]) > 1:  # several outputs: as the executor, rkgb.gradsink.handoff
                     box.clear()
-                    peak = _measure_handoff(meter, islands[name], [leaf for leaf, _ in grad_leaves[name]], incoming)
+                    peak = _measure_handoff(meter, islands[name], [leaf for leaf, _ in grad_leaves[name]], incoming,
+                                            phantoms)
                 else:
-                    peak = meter.measure(lambda: torch.autograd.backward(outputs, box.pop("grads")))
+                    def run_backward():
+                        phantoms[0]()
+                        torch.autograd.backward(outputs, box.pop("grads"))
+
+                    peak = meter.measure(run_backward) - phantoms[1]
+                phantoms = None
                 # the contributions to the inputs' gradients that the engine call made are
                 # first-run memory (the simulator counts each, but those that are the incoming
                 # gradient): not a temporary of this backward

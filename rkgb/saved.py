@@ -11,7 +11,8 @@ every saved tensor goes through :meth:`SavedTensors.pack`:
   node's data never leaves a stale copy behind in someone's ``grad_fn``;
 - a tensor of a global (parameter, buffer, model input) is kept as is: always alive, free;
 - any other tensor is a *phantom* of ``x`` (Rockmate, ICML 2023, section 3): memory that only
-  ``x``'s backward needs, freed by :meth:`free_phantoms`.
+  ``x``'s backward needs, freed by :meth:`free_phantoms`, or, in a backward, as soon as the
+  autograd node that saved it has run (eager's engine frees each node's saved tensors then).
 
 The graph builder measures phantoms with this class and the executor runs with it, so both
 agree on what a node keeps.
@@ -75,6 +76,10 @@ class SavedTensors:
         self._phantoms: dict[str, list[Packed]] = {}
         self._references: dict[str, set[str]] = {}
         self._island: str | None = None
+        # a backward that frees the graph as it goes (not ``retain_graph``) takes each phantom
+        # out of the registry when its autograd node unpacks it, so that the engine frees it
+        # once that node has run, as eager's does; the inspection's timings keep the graph
+        self.consume = True
 
     # -- data ------------------------------------------------------------------------------
     def register_globals(self, tensors) -> None:
@@ -151,12 +156,15 @@ class SavedTensors:
                 )
             base = outputs[reference.index].detach()
             return base.as_strided(reference.size, reference.stride, reference.offset)
-        if packed.tensor is None:
+        tensor = packed.tensor
+        if tensor is None:
             raise PhantomFreedError(
                 f"the backward of {packed.island!r} needs its phantoms, which were freed: the "
                 "schedule is invalid"
             )
-        return packed.tensor
+        if self.consume:
+            packed.tensor = None  # the autograd node that unpacks it holds it alone, until it has run
+        return tensor
 
     def finish_island(self, node: str, outputs: Sequence[torch.Tensor]) -> None:
         """Saved tensors that alias ``node``'s own outputs become references to its data."""
@@ -176,6 +184,10 @@ class SavedTensors:
     def free_phantoms(self, node: str) -> None:
         for phantom in self._phantoms.pop(node, []):
             phantom.tensor = None
+
+    def phantom_packs(self, node: str) -> list[Packed]:
+        """The packed phantoms of ``node`` not freed yet."""
+        return [p for p in self._phantoms.get(node, []) if p.tensor is not None]
 
     def phantom_tensors(self, node: str) -> list[torch.Tensor]:
         return [p.tensor for p in self._phantoms.get(node, []) if p.tensor is not None]
