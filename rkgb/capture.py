@@ -480,6 +480,65 @@ def differentiable_copies(graph: torch.fx.Graph, renamed: dict[str, str] | None 
     return replaced
 
 
+def _written_aliases(graph: torch.fx.Graph) -> set[str]:
+    """The nodes that an in-place op of ``graph`` writes, with every node they are a view of or
+    that is a view of them (``getitem`` of a split included)."""
+    base: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        if node.target is operator.getitem or _returns_alias(node.target):
+            base[node.name] = node.args[0].name
+
+    def root(name: str) -> str:
+        while name in base:
+            name = base[name]
+        return name
+
+    written_roots = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for position, argument in enumerate(node.target._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+            for arg in (value if isinstance(value, (list, tuple)) else [value]):
+                if isinstance(arg, torch.fx.Node):
+                    written_roots.add(root(arg.name))
+    return {node.name for node in graph.nodes if root(node.name) in written_roots}
+
+
+def dropouts_of_nothing(graph: torch.fx.Graph) -> int:
+    """Remove the copy that a dropout of probability 0 becomes (``aten.clone``, from
+    ``F.dropout(x, 0.0, training=True)``: transformers' attention with ``attention_dropout=0``):
+    its readers read its input, as eager's dropout returns its input itself. No copy (one
+    tensor of the attention's size per layer that the plan would hold beside eager's), and no
+    autograd node of its own, whose place in the backward would change the order in which the
+    input's gradient adds its contributions (not bitwise). Not where an in-place op writes
+    either of them (functionalization made them two tensors), nor for a model output.
+    Returns how many."""
+    written = None
+    removed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.clone.default or node.kwargs:
+            continue
+        if (node.meta.get("torch_fn") or ("", ""))[1] != "function.dropout":
+            continue
+        if any(user.op == "output" for user in node.users):
+            continue
+        if written is None:
+            written = _written_aliases(graph)
+        if node.name in written or node.args[0].name in written:
+            continue
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+        removed += 1
+    if removed:
+        graph.lint()
+    return removed
+
+
 def views_as_reshapes(graph: torch.fx.Graph) -> int:
     """Make each ``aten.view`` an ``aten.reshape``: the same view where the real layout allows
     it, a copy where it does not, as the user's ``reshape`` in eager. The export picks ``view``
@@ -721,6 +780,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     restore_inplace_ops(exported.graph, inplace, varying, renamed, requiring, mutations)
     merge_regenerated_views(exported.graph, targets)
     views_as_reshapes(exported.graph)
+    dropouts_of_nothing(exported.graph)
     signature = exported.graph_signature
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}

@@ -212,6 +212,38 @@ def test_dropout_runs_eagers_kernels():
     assert targets.count(torch.ops.aten.dropout.default) == dropouts
 
 
+def test_a_dropout_of_probability_zero_is_its_input_as_in_eager():
+    """Eager's ``F.dropout(x, 0.0, training=True)`` returns ``x`` itself; export makes it a
+    copy. The capture removes that copy (its readers read ``x``: no tensor of its own, and no
+    autograd node whose place changed the order of ``x``'s gradient sum: the weight's gradient
+    was not bitwise), but not a user's ``clone`` nor a dropout whose result is written in
+    place; the model trains bitwise."""
+    import torch.nn.functional as F
+
+    from exactness import check_training
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = torch.softmax(self.lin(x), dim=-1)
+            kept = F.dropout(h, 0.0, self.training)  # h itself
+            copied = h.clone()  # a copy, as in eager
+            written = F.dropout(h * 2, 0.0, self.training)
+            written += h  # written in place again by the capture: stays a copy
+            return kept @ self.lin.weight + copied + written
+
+    torch.manual_seed(0)
+    model, x = Model().train(), torch.randn(4, 8, 16)
+    graph = capture(model, (x,)).graph
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.clone.default) == 2
+    for fraction in (1.0, 0.5):
+        check_training(model, (x,), fraction)
+
+
 def test_inplace_ops_without_autograd_run_in_place_as_in_eager():
     """Where nothing an in-place op reads requires grad (a frozen stem, an input without grad),
     functionalization's out-of-place op is written in place again, whatever the op
