@@ -246,13 +246,17 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
     # backward, as eager's engine sums them before accumulating (exec.runtime._stash_grad): one
     # parameter-sized buffer from the first contribution on. Counted whether or not .grad will
     # hold values (the plan cannot know): where it does not, the plan over-estimates by it.
-    # Without grad_accumulation, a step that finds values there is refused (exec.runtime)
+    # Without grad_accumulation, a step that finds values there is refused (exec.runtime).
+    # Only the readers whose backward runs contribute (one whose results get no gradient, a
+    # layer feeding an unused batch norm, adds nothing: no sum where one reader is left)
+    needs = gradient_needs(graph, global_requires_grad(graph, model, sample)) if grad_accumulation else {}
     for name, path in graph.captured.parameters.items() if grad_accumulation else ():
         parameter = model.get_parameter(path)
-        if not parameter.requires_grad or len(readers.get(name, ())) < 2:
+        contributing = [reader for reader in readers.get(name, ()) if needs[reader].requires_grad]
+        if not parameter.requires_grad or len(contributing) < 2:
             continue
         total = FirstRun(parameter_sum_key(name), parameter.untyped_storage().nbytes(), in_overhead=True)
-        for reader in readers[name]:
+        for reader in contributing:
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(total)
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
