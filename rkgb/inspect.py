@@ -601,14 +601,17 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
     return record
 
 
-def _phantoms_in_recording(saved: SavedTensors, node: str):
+def _phantoms_in_recording(saved: SavedTensors, node: str, device: torch.device):
     """``(move, bytes)``: ``move()``, called first inside a recording, replaces the phantoms of
     ``node`` that hold their storage alone with copies, so that the recording sees them freed
     when the backward's autograd nodes that saved them have run (the executor's backward frees
     each then, as eager's engine does: :attr:`rkgb.saved.SavedTensors.consume`); ``bytes``
     (theirs) is to be taken off the recording's peak. The CPU allocator does not report the
     free of a block allocated before a recording; a phantom that shares its storage with
-    another tensor is not copied: its free is not credited."""
+    another tensor is not copied: its free is not credited. On CUDA the allocator's figures see
+    every free: nothing to copy."""
+    if device.type != "cpu":
+        return (lambda: None), 0
     groups: dict[int, list] = {}
     for packed in saved.phantom_packs(node):
         groups.setdefault(id(packed.tensor), []).append(packed)
@@ -640,7 +643,8 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
     a ``cat``'s gradient) is not copied: its free is not credited. ``incoming`` (storage -> part
     of the gradient) follows the copies."""
     root = handoff(*island)
-    copied = [i for i, leaf in enumerate(leaves) if leaf.grad is not None and owns_its_storage(leaf.grad)]
+    on_cpu = island[0].device.type == "cpu"  # (CUDA's figures see every free: nothing to copy)
+    copied = [i for i, leaf in enumerate(leaves) if on_cpu and leaf.grad is not None and owns_its_storage(leaf.grad)]
     copied_bytes = sum(leaves[i].grad.untyped_storage().nbytes() for i in copied)
 
     move, moved = phantoms
@@ -835,7 +839,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 # as the executor: the engine runs, the incoming gradient and the phantoms go,
                 # then the contributions join the next gradients (the simulator's flush: not a
                 # temporary of this backward)
-                phantoms = _phantoms_in_recording(saved, name)
+                phantoms = _phantoms_in_recording(saved, name, device)
                 if len(islands[name]) > 1:  # several outputs: as the executor, rkgb.gradsink.handoff
                     box.clear()
                     peak = _measure_handoff(meter, islands[name], [leaf for leaf, _ in grad_leaves[name]], incoming,
