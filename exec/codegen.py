@@ -46,10 +46,6 @@ class ScheduleError(ValueError):
     """The schedule cannot be executed on this graph (unknown node, missing autograd graph)."""
 
 
-# the generated call of the functional batch norm, whose name the runtime's helpers replace
-BATCH_NORM_CALL = "aten._native_batch_norm_legit_functional.default"
-
-
 @dataclass
 class NodeInfo:
     """What the code generator needs to know about one simplified node.
@@ -257,9 +253,10 @@ class _Generator:
             return self.bind(value, "device")
         return self.bind(value, "constant")
 
-    def call(self, fx_node: torch.fx.Node, reads: list[str] | None = None) -> str:
+    def call(self, fx_node: torch.fx.Node, reads: list[str] | None = None, function: str | None = None) -> str:
         """Python source of one fx node's operation; ``reads``, when given, is the source of
-        each of its tensor arguments, in order (see :meth:`split_reads`)."""
+        each of its tensor arguments, in order (see :meth:`split_reads`); ``function``: the
+        name of the runtime helper to call instead of the line's own target."""
         ref = None
         if reads is not None:
             sources = iter(reads)
@@ -267,11 +264,11 @@ class _Generator:
         target = fx_node.target
         if target is operator.getitem:
             return f"{self.expr(fx_node.args[0], ref)}[{self.expr(fx_node.args[1], ref)}]"
-        if isinstance(target, torch._ops.OpOverload):
+        if function is None and isinstance(target, torch._ops.OpOverload):
             namespace = target.namespace
             packet = target._overloadpacket.__name__
             function = f"aten.{packet}.{target._overloadname}" if namespace == "aten" else self.bind(target, "op")
-        else:
+        elif function is None:
             function = self.bind(target, getattr(target, "__name__", "function"))
         args = [self.expr(a, ref) for a in fx_node.args]
         args += [f"{k}={self.expr(v, ref)}" for k, v in fx_node.kwargs.items()]
@@ -419,9 +416,7 @@ class _Generator:
             update = info.updates.get(line.name)  # the buffer this line's value is the new value of
             if line.name in in_place:
                 function = "batch_norm_updating" if first else "batch_norm_not_updating"
-                call = self.call(line, reads.get(line.name))
-                assert call.startswith(BATCH_NORM_CALL + "("), call
-                w(f"{line.name} = {function}{call[len(BATCH_NORM_CALL):]}")
+                w(f"{line.name} = {self.call(line, reads.get(line.name), function)}")
                 self.local_values[line.name] = line.name
                 local_names.append(line.name)
                 continue

@@ -187,14 +187,15 @@ def _nbytes(value) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
-                    grad_accumulation: bool = True) -> dict[str, tuple[FirstRun, ...]]:
+def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accumulation: bool = True,
+                    needs: dict | None = None) -> dict[str, tuple[FirstRun, ...]]:
     """What compute nodes allocate at their first run and the executor keeps to the end of the
     step (:class:`rkgb.cdgraph.ModelChain`): the generator state of a random node (on CPU; on
     CUDA the states are host memory), the gradient of a model input that requires grad, made
     by the first backward (in the backward's order) of a node reading it, and with
     ``grad_accumulation`` the sum of a shared parameter's contributions
-    (:func:`rkgb.cdgraph.parameter_sum_key`)."""
+    (:func:`rkgb.cdgraph.parameter_sum_key`). ``needs``: :func:`rkgb.simplify.gradient_needs`
+    (found here when not given)."""
     args = as_input_tuple(sample)
     result: dict[str, list[FirstRun]] = {}
     if device_of(model, args).type == "cpu":
@@ -249,7 +250,8 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample,
     # Without grad_accumulation, a step that finds values there is refused (exec.runtime).
     # Only the readers whose backward runs contribute (one whose results get no gradient, a
     # layer feeding an unused batch norm, adds nothing: no sum where one reader is left)
-    needs = gradient_needs(graph, global_requires_grad(graph, model, sample)) if grad_accumulation else {}
+    if needs is None and grad_accumulation:
+        needs = gradient_needs(graph, global_requires_grad(graph, model, sample))
     for name, path in graph.captured.parameters.items() if grad_accumulation else ():
         parameter = model.get_parameter(path)
         contributing = [reader for reader in readers.get(name, ()) if needs[reader].requires_grad]
@@ -514,7 +516,7 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
                              early_outputs=[dname(name, DataKind.DATA) for name in early],
                              early_contributions=_early_output_contributions(simplified, early, needs))
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}
-    entries = first_run_bytes(simplified, model, sample, grad_accumulation)
+    entries = first_run_bytes(simplified, model, sample, grad_accumulation, needs)
     model_chain.first_run_bytes = {name: entries for name, entries in _input_grad_aliases(entries, measures, instances).items()
                                    if name in computes}  # the backwards of nodes without grad do not run
     seconds["cdgraph"] = time.perf_counter() - clock

@@ -282,10 +282,12 @@ def inspect_chain(
         # a block of a class whose output gradient now differs from its representative's is a
         # class of its own (its backward's memory, and the layout it gives its input, differ)
         stale = split_by_output_layouts(graph, chain, layouts)
-        stale |= {chain.blocks[b.index - 1].class_index for b in chain.blocks
-                  if b.index > 0 and b.input_node is not None
-                  and chain.blocks[b.index - 1].index == chain.classes[chain.blocks[b.index - 1].class_index].representative
-                  and any(n in corrected for n in graph.exported(graph.node(b.input_node)))}
+        # and a representative whose output gradient changed is measured again
+        for block in chain.blocks[1:]:
+            previous = chain.blocks[block.index - 1]
+            if block.input_node is not None and previous.index == chain.classes[previous.class_index].representative \
+                    and any(n in corrected for n in graph.exported(graph.node(block.input_node))):
+                stale.add(previous.class_index)
         again = {cls.representative: cls.index for cls in chain.classes if cls.index in stale}
     return [measures[i] for i in range(len(chain.classes))]
 
@@ -839,18 +841,18 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 # as the executor: the engine runs, the incoming gradient and the phantoms go,
                 # then the contributions join the next gradients (the simulator's flush: not a
                 # temporary of this backward)
-                phantoms = _phantoms_in_recording(saved, name, device)
+                move_phantoms, moved = _phantoms_in_recording(saved, name, device)
                 if len(islands[name]) > 1:  # several outputs: as the executor, rkgb.gradsink.handoff
                     box.clear()
                     peak = _measure_handoff(meter, islands[name], [leaf for leaf, _ in grad_leaves[name]], incoming,
-                                            phantoms)
+                                            (move_phantoms, moved))
                 else:
                     def run_backward():
-                        phantoms[0]()
+                        move_phantoms()
                         torch.autograd.backward(outputs, box.pop("grads"))
 
-                    peak = meter.measure(run_backward) - phantoms[1]
-                phantoms = None
+                    peak = meter.measure(run_backward) - moved
+                move_phantoms = None
                 # the contributions to the inputs' gradients that the engine call made are
                 # first-run memory (the simulator counts each, but those that are the incoming
                 # gradient): not a temporary of this backward

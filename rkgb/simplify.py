@@ -202,7 +202,7 @@ class SimplifiedGraph:
         two small tensors per batch norm that eager does not have."""
         if not node.buffer_updates:
             return set()
-        kept = {placeholder for placeholder in self.snapshot_buffers()}
+        kept = set(self.snapshot_buffers())
         placeholders = {path: name for name, path in self.captured.buffers.items()}
         outputs = {out.fx_name for out in node.outputs}
         return {line for line, path in node.buffer_updates.items()

@@ -107,7 +107,7 @@ def _keep_side_inputs(chain: ModelChain, ops: list[Operation]) -> list[Operation
     (:func:`side_offsets`), so a forget while a later block still reads it is dropped (a Llama
     cut with ``max_block_nodes=10`` read a residual after its forget)."""
     side = {renamed_data(d, block.names) for block in chain.blocks for d in chain.classes[block.class_index].side_data}
-    if not side:
+    if not any(isinstance(op, Forget) and op.node in side for op in ops):
         return ops
     graph = chain.whole_graph()
     read_later: set[str] = set()
