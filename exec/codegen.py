@@ -460,7 +460,7 @@ class _Generator:
                 grad_outputs = [out for out in exported if info.exported_requires_grad[out]]
                 for out in grad_outputs:
                     w(f"s.{self.island_names[out]} = gradient_edge({out})")
-                if len(grad_outputs) > 1:  # the root of its backward (rkgb.gradsink.handoff)
+                if grad_outputs:  # the root of its backward (rkgb.gradsink.handoff)
                     w(f"s._handoff_{name} = handoff{self.tuple(grad_outputs)}")
             self.has_graph.add(name)
         for out in exported:
@@ -516,11 +516,7 @@ class _Generator:
             self.has_graph.discard(name)
             return
         outs = [o for o in info.exported if info.exported_requires_grad[o]]
-        if len(outs) == 1:
-            out = outs[0]
-            w(f"if s.{out}.grad is not None:")
-            w(f"    run_backward((s.{self.island_names[out]},), (s.{out}.grad,))")
-        elif outs:
+        if outs:
             # the gradients go to the engine alone, which frees each once used, as eager's does
             w(f"handoff_backward(s._handoff_{name}, {self.tuple(f's.{o}' for o in outs)})")
             w(f"s._handoff_{name} = None")

@@ -12,6 +12,7 @@ engine call and no leaf between them.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -196,6 +197,29 @@ class _OutputGate(torch.autograd.Function):
         return None, None, None
 
 
+def _warn_if_shared(grads: list[torch.Tensor | None]) -> None:
+    """Warn where the loss handed an output's gradient over as part of a bigger tensor.
+
+    The plan frees each output's gradient once the first autograd node of its backward has used
+    it (``solvers.simulate``: the loss's gradients are the step's alone), as eager's engine
+    frees a gradient it holds alone; a part of a bigger tensor (the loss read a ``cat`` or a
+    ``stack`` of the outputs) keeps that tensor alive until every part has been used. (An
+    expanded scalar, the gradient of a ``sum`` or a ``mean``, holds no memory to free.)"""
+    for i, grad in enumerate(grads):
+        if grad is None or 0 in grad.stride():
+            continue
+        if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+            warnings.warn(
+                f"Rockmate: the loss's gradient of output {i} is part of a bigger tensor "
+                f"({grad.untyped_storage().nbytes()} B; did the loss read a cat or a stack of the outputs?): "
+                "the plan frees each output's gradient after its first use, which that tensor delays; the "
+                f"step's peak may exceed the plan by up to {grad.numel() * grad.element_size()} B. Compute the "
+                "loss from each output separately to keep the budget",
+                stacklevel=2,
+            )
+            return
+
+
 class _ScheduleFunction(torch.autograd.Function):
     """``forward``: the forward phase; ``backward``: the backward phase (reentrant).
 
@@ -239,6 +263,7 @@ class _ScheduleFunction(torch.autograd.Function):
         }
         # the outputs' gradients come from their gates (the engine passes None here)
         state.grad_outputs, ctx.handover.grads, ctx.handover = ctx.handover.grads, None, None
+        _warn_if_shared(state.grad_outputs)
         try:
             with torch.enable_grad():
                 runner.code.backward_phase(state)

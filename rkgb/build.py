@@ -93,6 +93,7 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                     target=x,
                     time_s=node.backward_time_s,
                     overhead_bytes=node.backward_overhead_bytes,
+                    handoff_overhead_bytes=node.handoff_overhead_bytes,
                     needs=needs,
                     needs_shape=[dname(d, D) for d in node.backward_shapes],
                     produces=[dname(d, G) for d in node.grads_to if d in grad_exists],
@@ -104,6 +105,9 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                     },
                     shared={
                         dname(d, G): tuple(parts) for d, parts in node.grad_shared.items() if d in grad_exists
+                    },
+                    owned={
+                        dname(d, G): tuple(parts) for d, parts in node.grad_owned.items() if d in grad_exists
                     },
                 ),
             )
@@ -127,6 +131,8 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
         # the user's loss makes the outputs' gradients: a view of its own result (a reshape's
         # backward) is not added into in place, so none is taken to be
         shared={g.name: tuple(range(len(g.part_sizes))) for g in data if g.name in output_grads},
+        # ... each in a storage of its own all the same (exec.runtime checks it)
+        owned={g.name: tuple(range(len(g.part_sizes))) for g in data if g.name in output_grads},
     )
     graph = CDGraph(
         name=f"class{measure.class_index}",

@@ -145,17 +145,34 @@ class ComputeNode:
     # gradient produced -> the parts whose first contribution, if made here, shares its storage
     # with another tensor (a view of a bigger result): a later one joins as a new sum
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # gradient produced -> those of ``shared`` whose storage is freed with the gradient all the
+    # same (a view of a result of its own size: a transpose's gradient): the engine frees it once
+    # used (solvers.simulate's hand-off)
+    owned: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # temporary memory of a forward run without grad (None: ``overhead_bytes``)
     no_grad_overhead_bytes: int | None = None
     # ``aliases`` of the block's input gradient that the block's own figures count as new
     # tensors (rkgb.build._drop_lasting_aliases) and the whole model's graph keeps, where that
     # gradient is an inner data node (ModelChain.whole_graph)
     boundary_aliases: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # a backward's temporary memory when the engine alone holds its incoming gradient (the
+    # executor hands it over, rkgb.gradsink.handoff) and frees it once its first autograd node
+    # has used it, as eager's engine does; may be negative (down to minus that gradient's
+    # bytes). None: the same as ``overhead_bytes``. The simulator uses it where the gradient's
+    # storage has no other holder (solvers.simulate)
+    handoff_overhead_bytes: int | None = None
 
     def overhead(self, with_grad: bool = True) -> int:
         """Temporary memory while it runs (a forward's depends on ``with_grad``)."""
         if not with_grad and self.no_grad_overhead_bytes is not None:
             return self.no_grad_overhead_bytes
+        return self.overhead_bytes
+
+    def backward_overhead(self, handed_off: bool) -> int:
+        """A backward's temporary memory: ``handoff_overhead_bytes`` where its incoming gradient
+        is the engine's alone (``handed_off``), else ``overhead_bytes``."""
+        if handed_off and self.handoff_overhead_bytes is not None:
+            return self.handoff_overhead_bytes
         return self.overhead_bytes
 
 
@@ -241,6 +258,7 @@ class CDGraph:
                 contributes={rename_data(g): v for g, v in c.contributes.items()},
                 aliases={rename_data(g): v for g, v in c.aliases.items()},
                 shared={rename_data(g): v for g, v in c.shared.items()},
+                owned={rename_data(g): v for g, v in c.owned.items()},
                 boundary_aliases={rename_data(g): v for g, v in c.boundary_aliases.items()},
             )
 
@@ -511,7 +529,9 @@ class ModelChain:
             contributes={**last.loss.contributes, **{g: v for g, v in self.early_contributions.items()
                                                      if g in output_grads}},
             shared={**last.loss.shared, **{g: tuple(range(len(data[g].part_sizes))) for g in output_grads
-                                           if g not in last.output_grads}})
+                                           if g not in last.output_grads}},
+            owned={**last.loss.owned, **{g: tuple(range(len(data[g].part_sizes))) for g in output_grads
+                                         if g not in last.output_grads}})
         return CDGraph(
             name="model",
             compute_nodes=forwards + [loss] + backwards,

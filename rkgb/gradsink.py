@@ -43,7 +43,7 @@ class GradSink:
     is not added into it in place.
     """
 
-    __slots__ = ("leaf", "node", "calls", "keys", "last_bytes", "first_shared", "__weakref__")
+    __slots__ = ("leaf", "node", "calls", "keys", "last_bytes", "first_shared", "first_owned", "__weakref__")
 
     def __init__(self, leaf: torch.Tensor, queue: "GradientQueue | None" = None) -> None:
         self.leaf = leaf
@@ -51,6 +51,7 @@ class GradSink:
         self.keys: list[int] | None = None  # None: not recording (the executor's sinks)
         self.last_bytes = 0
         self.first_shared = False
+        self.first_owned = False  # ... yet freed with it (a view of a result of its own size)
         # the sink keeps the leaf's AccumulateGrad alive (the leaf holds it weakly); the node's
         # hook refers back to the sink weakly: a strong reference would make a cycle through
         # C++ that only Python's garbage collector frees, so that every step's state (its
@@ -71,6 +72,7 @@ class GradSink:
             self.leaf.grad = accumulate(old, grad, old is not None and old._use_count() == 2)
             if old is None:
                 self.first_shared = not _addable_in_place(self.leaf.grad)
+                self.first_owned = owns_its_storage(self.leaf.grad)
         return (None,)
 
 

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 from .blocks import Block, BlockClass, Chain, side_name
 from .capture import as_input_tuple, device_of
 from .interpret import global_requires_grad, initial_environment, inspected_targets, run_lines, tensor_args
-from .memory import measure_allocator_peak
+from .memory import allocator_events_and_ranges, measure_allocator_peak
 from .gradsink import GradientQueue, GradSink, handoff, handoff_backward, owns_its_storage
 from .saved import SavedTensors, storage_key
 from .simplify import OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs
@@ -76,6 +76,9 @@ class NodeMeasure:
     forward_overhead_bytes: int = 0
     no_grad_overhead_bytes: int = 0  # the same for a forward without grad (no phantoms kept)
     backward_overhead_bytes: int = 0
+    # the same where the engine alone holds the incoming gradient and frees it once the
+    # island's first autograd node has used it (rkgb.gradsink.handoff; None: no difference)
+    handoff_overhead_bytes: int | None = None
     forward_time_s: float = 0.0
     backward_time_s: float = 0.0
     backward_reads: list[str] = field(default_factory=list)  # nodes whose data bwd needs
@@ -88,6 +91,9 @@ class NodeMeasure:
     # dep -> the parts of its gradient whose first contribution, made here, shares its storage
     # (a view of a bigger result): the next contribution makes a new sum
     grad_shared: dict[str, list[int]] = field(default_factory=dict)
+    # dep -> those of grad_shared whose storage the gradient holds alone all the same (a view of
+    # a result of its own size, a transpose's gradient): freed with it
+    grad_owned: dict[str, list[int]] = field(default_factory=dict)
     # model input (fx name) -> for each contribution of the backward to its gradient, the part
     # of ours that it is (an add's backward passes its incoming gradient on), or -1: a new tensor
     input_grad_aliases: dict[str, list[int]] = field(default_factory=dict)
@@ -196,6 +202,7 @@ class _PeakMeter:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._before_mark: int | None = None  # CUDA: the peak before mark() (absolute)
 
     def __enter__(self):
         return self
@@ -207,6 +214,42 @@ class _PeakMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return measure_allocator_peak(fn, device=self.device)
+
+    def measure_marked(self, fn) -> tuple[int, int | None]:
+        """``(before, after)``: where ``fn`` called :meth:`mark`, its peak before that moment
+        and its peak from that moment on; else ``(peak, None)`` (the peak of :meth:`measure`).
+        Both above what was allocated before ``fn``."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._before_mark = None
+            fn()
+            torch.cuda.synchronize()
+            end = torch.cuda.max_memory_allocated(self.device) - start
+            before, self._before_mark = self._before_mark, None
+            return (end, None) if before is None else (before - start, end)
+        events, ranges = allocator_events_and_ranges(fn, prefix=_MARK)
+        if _MARK not in ranges:
+            return max((event.current_bytes for event in events), default=0), None
+        at = ranges[_MARK][0]
+        before = [event.current_bytes for event in events if event.time_ns < at]
+        after = [event.current_bytes for event in events if event.time_ns >= at]
+        return max(before, default=0), max(before[-1:] + after, default=0)
+
+    def mark(self) -> None:
+        """The moment :meth:`measure_marked` splits its figure at (the first call counts)."""
+        if self.device.type == "cuda":
+            if self._before_mark is None:
+                torch.cuda.synchronize()
+                self._before_mark = torch.cuda.max_memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        with torch.profiler.record_function(_MARK):
+            pass
+
+
+_MARK = "rockmate: incoming gradient handed off"
 
 
 def _storage_bytes(tensors) -> int:
@@ -632,6 +675,48 @@ def _phantoms_in_recording(saved: SavedTensors, node: str, device: torch.device)
     return move, moved
 
 
+class _IncomingFreed:
+    """Post-hooks on the autograd nodes of an island's backward that mark the moment
+    (:meth:`_PeakMeter.mark`) the engine would free the incoming gradient if nothing but the
+    engine held it (the executor hands it over, :func:`rkgb.gradsink.handoff_backward`): when
+    the last tensor over its storage in the engine's buffers has been used (a view's or an add's
+    backward passes it on: it lives on in their results). Where a tensor over that storage
+    leaves the island (a leaf's gradient) or joins a sum, no mark: nothing is credited."""
+
+    def __init__(self, meter: _PeakMeter, grad: torch.Tensor, root) -> None:
+        self.meter = meter
+        self.storage = grad.untyped_storage().data_ptr()
+        self.in_flight = 1  # tensors over the storage waiting in the engine's buffers
+        self.handles = [node.register_hook(self) for node in _graph_nodes(root)]
+
+    def _over(self, tensors) -> int:
+        return sum(1 for t in tensors if t is not None and t.untyped_storage().data_ptr() == self.storage)
+
+    def __call__(self, grad_inputs, grad_outputs):
+        used = self._over(grad_outputs)
+        if used and self.in_flight > 0:
+            self.in_flight += self._over(grad_inputs) - used
+            if self.in_flight == 0:
+                self.meter.mark()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _graph_nodes(root) -> list:
+    """The autograd nodes reachable from ``root`` (an island's: it ends at leaves)."""
+    seen, stack = {}, [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(seen.values())
+
+
 def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tensor], incoming: dict[int, int],
                      phantoms=((lambda: None), 0)) -> int:
     """The peak of an island's backward from several outputs, run as the executor runs it
@@ -842,16 +927,36 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 # then the contributions join the next gradients (the simulator's flush: not a
                 # temporary of this backward)
                 move_phantoms, moved = _phantoms_in_recording(saved, name, device)
+                handed = None  # the peak where the engine alone holds the incoming gradient
                 if len(islands[name]) > 1:  # several outputs: as the executor, rkgb.gradsink.handoff
                     box.clear()
                     peak = _measure_handoff(meter, islands[name], [leaf for leaf, _ in grad_leaves[name]], incoming,
                                             (move_phantoms, moved))
                 else:
+                    # the executor hands the incoming gradient over to the engine (one output
+                    # too, rkgb.gradsink.handoff), which frees it once used, where no other
+                    # tensor holds it; measured here held, with the moment it would be freed
+                    # marked: the figure handed off is the peak before it, or the peak after it
+                    # less that gradient
+                    incoming_grad = box["grads"][0]
+                    credit = incoming_grad.untyped_storage().nbytes() if owns_its_storage(incoming_grad) else 0
+                    root = outputs[0].grad_fn if credit else None
+                    hook = None if root is None else _IncomingFreed(meter, incoming_grad, root)
+                    incoming_grad = root = None
+
                     def run_backward():
                         move_phantoms()
                         torch.autograd.backward(outputs, box.pop("grads"))
 
-                    peak = meter.measure(run_backward) - moved
+                    try:
+                        peak, after = meter.measure_marked(run_backward)
+                    finally:
+                        if hook is not None:
+                            hook.remove()
+                    hook = None
+                    if after is not None:
+                        peak, handed = max(peak, after), max(peak, after - credit) - moved
+                    peak -= moved
                 move_phantoms = None
                 # the contributions to the inputs' gradients that the engine call made are
                 # first-run memory (the simulator counts each, but those that are the incoming
@@ -860,6 +965,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 made = {storage_key(entry[2]): entry[2].untyped_storage().nbytes() for entry in queue.pending
                         if id(entry[1]) in sinks and storage_key(entry[2]) not in incoming}
                 peak -= sum(made.values())
+                if handed is not None:
+                    handed -= sum(made.values())
                 for leaf in leaves[name]:
                     leaf.grad = None
                 saved.free_phantoms(name)
@@ -871,11 +978,11 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 for leaf in input_leaves:
                     leaf.grad = None
             else:
-                peak = 0
+                peak, handed = 0, None
             added = 0
             for d in targets:
                 sizes = grad_parts_of[d]
-                contributed, sources, shared = [], [], []
+                contributed, sources, shared, owned = [], [], [], []
                 for i, (leaf, sink) in enumerate(grad_leaves[d]):
                     count = sink.calls - calls[d][i]  # several: a node reading the part twice
                     # the part of the incoming gradient that every contribution is (an add's
@@ -890,6 +997,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                         sizes[i] = sink.last_bytes
                     if count and calls[d][i] == 0 and sink.first_shared:
                         shared.append(i)
+                        if sink.first_owned:
+                            owned.append(i)
                     for _ in range(count):
                         contributed.append(i)
                         added += state.produce((d, i), sizes[i], source >= 0)
@@ -900,7 +1009,11 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     measure.grad_aliases[anonymous[d]] = sources
                 if shared:
                     measure.grad_shared[anonymous[d]] = shared
+                if owned:
+                    measure.grad_owned[anonymous[d]] = owned
             measure.backward_overhead_bytes = max(0, peak - added)
+            if handed is not None and handed < peak:
+                measure.handoff_overhead_bytes = handed - added
             outputs = grads = pairs = incoming = None  # release the incoming gradients
             for leaf in leaves[name]:
                 leaf.grad = None

@@ -54,7 +54,7 @@ def operation_floor(graph: CDGraph, keep_outputs: bool = True) -> OperationFloor
     inputs = set(graph.input_data)
     held = set(graph.output_data) - inputs if keep_outputs else set()
     protected = set(graph.input_grads) | held
-    grad_start, grad_added, _ = gradient_profile(graph, protected)
+    grad_start, grad_added, _, grad_overhead = gradient_profile(graph, protected)
     made_by_forward = {d for c in nodes if c.kind is ComputeKind.FORWARD for d in operation_outputs(graph, c, True)}
     best = OperationFloor(0, "")
     for t, node in enumerate(nodes):
@@ -63,7 +63,7 @@ def operation_floor(graph: CDGraph, keep_outputs: bool = True) -> OperationFloor
             need = min(_alone(graph, node.name, alive, with_grad) for with_grad in (False, True))
         else:
             forward_data = (set(effective_needs(graph, node)) & made_by_forward) | held
-            need = (grad_start[t] + grad_added[t] + node.overhead(True)
+            need = (grad_start[t] + grad_added[t] + grad_overhead[t]
                     + sum(graph.size(d) for d in forward_data - inputs))
         if need > best.bytes:
             best = OperationFloor(need, node.name)

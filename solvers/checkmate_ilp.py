@@ -291,7 +291,7 @@ class RkCheckmateILP:
 
         # constant memory: gradients (made by backwards / the loss), alive at the start of each
         # stage, and what each backward / the loss adds while it runs (aliases, accumulations)
-        grad_start, grad_added, grad_flush = gradient_profile(graph, protected)
+        grad_start, grad_added, grad_flush, grad_overhead = gradient_profile(graph, protected)
         const_alive = [b / self.unit for b in grad_start]
         const_flush = [b / self.unit for b in grad_flush]
 
@@ -444,7 +444,7 @@ class RkCheckmateILP:
                         extra = max(node.overhead(True) - node.overhead(False), -graph.size(phantoms))
                         overhead = overhead + extra / self.unit * w
                 else:
-                    overhead = (node.overhead_bytes + grad_added[k]) / self.unit * x
+                    overhead = (grad_overhead[k] + grad_added[k]) / self.unit * x
                 during = before + overhead + pulp.lpSum(variable_made)
                 prob += during + const_alive[t] <= self.peak_var
                 n_rows += 2

@@ -98,6 +98,9 @@ class _Storages:
         # contributions waiting to be added into alive gradients: (node, part, storage)
         self.pending: list[tuple[str, int, int]] = []
         self.shared: set[int] = set()  # storages that another tensor shares (ComputeNode.shared)
+        # shared storages that the gradient holds alone all the same (ComputeNode.owned: a view
+        # of a result of its own size; the outputs' gradients from the loss, exec.runtime)
+        self.owned: set[int] = set()
         # the gradients of model inputs (FirstRun keys), held as data nodes of one part each
         self.first_run_sizes: dict[str, int] = {}
         self.memory = 0
@@ -134,6 +137,15 @@ class _Storages:
             self.memory -= self.bytes.pop(storage)
             del self.holders[storage]
             self.shared.discard(storage)
+            self.owned.discard(storage)
+
+    def held_alone(self, d: str) -> bool:
+        """Whether each storage of gradient ``d`` (alive) has no holder but ``d`` (the engine
+        frees it once used where it is handed over): not an alias of another gradient, not a
+        slice of a bigger tensor (``shared`` but not ``owned``), not waiting to be added."""
+        return all(storage is None or (self.holders[storage] == 1
+                                       and (storage not in self.shared or storage in self.owned))
+                   for storage in self.storage.get(d, ()))
 
     def add(self, d: str) -> int:
         """``d`` becomes alive with new storages (replacing its old ones); return their bytes."""
@@ -179,6 +191,8 @@ class _Storages:
                         self._hold_new(d, i)
                         if i in node.shared.get(d, ()):
                             self.shared.add(parts[i])
+                            if i in node.owned.get(d, ()):
+                                self.owned.add(parts[i])
                     continue
                 # a contribution to a gradient alive: it waits for the flush
                 if alias is not None:
@@ -448,6 +462,9 @@ def simulate(
                     # a model output computed again: the user's tensor keeps the storage of
                     # the first run to the end of the step, beside the new one
                     storages.hold_for_user(d)
+        overhead = node.overhead(op.with_grad or node.kind is not ComputeKind.FORWARD)
+        if node.kind is ComputeKind.BACKWARD:
+            overhead = node.backward_overhead(storages.held_alone(data_name(node.target, DataKind.GRAD)))
         added = storages.compute(node, outputs)
         again = 0
         for entry in (first_run_bytes or {}).get(node.name, ()):
@@ -468,8 +485,7 @@ def simulate(
                 kept += entry.bytes
                 if entry.in_overhead:  # in the node's measured temporary memory meanwhile
                     again -= entry.bytes
-        during = memory + kept + sum(waiting) + again + node.overhead(
-            op.with_grad or node.kind is not ComputeKind.FORWARD) + added
+        during = memory + kept + sum(waiting) + again + overhead + added
         memory_during.append(max(during, flushed))
         if during > peak:
             peak, peak_index = during, i
@@ -521,7 +537,7 @@ def simulate(
     )
 
 
-def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], list[int], list[int]]:
+def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], list[int], list[int], list[int]]:
     """The memory of the gradients along the graph's own order of compute nodes.
 
     Gradients are made by the loss and the backwards only, each of which runs once, in the
@@ -533,7 +549,9 @@ def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], li
     starts (``start[len(nodes)]``: at the end), ``added[t]``, the new bytes that compute node
     ``t`` holds while it runs, and ``flush[t]``, the peak of the gradients' bytes while the
     contributions of the backward before ``t`` join their gradients (before ``t`` starts: in a
-    schedule, before the first compute node after that backward).
+    schedule, before the first compute node after that backward), and ``overhead[t]``, the
+    temporary memory of backward ``t`` (:meth:`ComputeNode.backward_overhead`: whether its
+    incoming gradient is held alone depends on the gradients only; 0 for the others).
     """
     nodes = graph.compute_nodes
     made_by_forward = {d for c in nodes if c.kind is ComputeKind.FORWARD for d in operation_outputs(graph, c, True)}
@@ -548,11 +566,14 @@ def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], li
     start = [0] * (len(nodes) + 1)
     added = [0] * len(nodes)
     flush = [0] * (len(nodes) + 1)
+    overhead = [0] * len(nodes)
     for i, c in enumerate(nodes):
         flush[i] = storages.flush()
         start[i] = storages.memory
         if c.kind is ComputeKind.FORWARD:
             continue
+        overhead[i] = c.overhead(True) if c.kind is ComputeKind.LOSS else \
+            c.backward_overhead(storages.held_alone(data_name(c.target, DataKind.GRAD)))
         outputs = [d for d in operation_outputs(graph, c, True) if d in grads]
         added[i] = storages.compute(c, outputs)
         for d in dict.fromkeys(effective_needs(graph, c) + outputs):
@@ -560,7 +581,7 @@ def gradient_profile(graph: CDGraph, protected: set[str]) -> tuple[list[int], li
                 storages.forget(d)
     flush[len(nodes)] = storages.flush()
     start[len(nodes)] = storages.memory
-    return start, added, flush
+    return start, added, flush, overhead
 
 
 def schedule_from_computes(

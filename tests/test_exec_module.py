@@ -241,3 +241,35 @@ def test_executed_order_runs_a_merged_chain_at_its_last_backward():
     order = executed_order(Schedule(ops), {"a": "b", "b": "c"})
     assert [str(getattr(op, "node")) for op in order.ops[4:]] == [
         "bwd_c", "bwd_b", "bwd_a", "c.grad", "b.grad", "b.data", "a.grad"]
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return h, self.b(h)
+
+
+def test_a_loss_that_reads_a_cat_of_the_outputs_is_warned_about():
+    """The plan frees each output's gradient once used (exec.runtime); a loss that makes them
+    as slices of one tensor keeps it alive longer: said, with the bytes at stake. A loss per
+    output (each gradient its own storage) is not warned about, nor an expanded scalar's."""
+    import warnings
+
+    from rockmate import Rockmate
+
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(4, 8)
+    rk = Rockmate(copy.deepcopy(model), x, 10**9, cost_model="flops")
+    with pytest.warns(UserWarning, match=r"gradient of output 0 is part of a bigger tensor .* up to 128 B"):
+        (torch.cat(rk(x), dim=-1) ** 2).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h, y = rk(x)
+        ((h ** 2).sum() + (y ** 2).sum()).backward()
+        h, y = rk(x)
+        (h.sum() + y.mean()).backward()
