@@ -484,8 +484,9 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     clock = time.perf_counter()
     simplified = simplify(captured)
     # which tensors a backward from the outputs reaches (and the layouts of their gradients)
-    layouts = gradient_layouts(simplified, model, sample)
-    simplified.gradient_receivers = None if layouts is None else set(layouts)
+    receivers: set[str] = set()
+    layouts = gradient_layouts(simplified, model, sample, receivers)
+    simplified.gradient_receivers = None if layouts is None else receivers
     requires_grad = global_requires_grad(simplified, model, sample)
     needs = gradient_needs(simplified, requires_grad)
     chain = cut_chain(simplified, needs, max_block_nodes)

@@ -593,7 +593,8 @@ def _held_bytes(leaf: torch.Tensor, layout: GradLayout | None) -> int:
     return own if layout is None else max(own, round(layout.storage_bytes * layout.share))
 
 
-def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[str, GradLayout] | None:
+def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample,
+                     receivers: set[str] | None = None) -> dict[str, GradLayout] | None:
     """The layout (:class:`GradLayout`) of the gradient of every exported tensor in eager
     PyTorch's backward.
 
@@ -604,46 +605,78 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample) -> dict[s
     block: their layouts are found here, by one forward and backward of the whole graph on
     fake tensors (no memory, no computation: the ops' meta functions give the strides). The
     model's outputs receive contiguous gradients, as a loss's usually are. The tensors it lists are those that a
-    backward from the outputs reaches (``SimplifiedGraph.gradient_receivers``). None if the
-    fake run fails (an op without a meta function).
+    backward from the outputs reaches. ``receivers`` (filled when given) gets those of them
+    that receive a gradient from outside their node, as the executor's leaves do (a model
+    output, or a tensor another node reads and passes a gradient back to), not only through a
+    view made in the node (``SimplifiedGraph.gradient_receivers``): each read by another node
+    goes through an ``alias`` that tells. None if the fake run fails (an op without a meta
+    function).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    grads: dict[str, torch.Tensor] = {}  # fake gradients, kept to the end: storages told apart
     try:
-        env = initial_environment(graph, model, sample)
-        mode = FakeTensorMode()
-        fake: dict[str, object] = {}
-        for key, value in env.items():
-            if isinstance(value, torch.Tensor):
-                tensor = mode.from_tensor(value)
-                if value.requires_grad and not tensor.requires_grad:
-                    tensor.requires_grad_()
-                fake[key] = tensor
-            else:
-                fake[key] = value
-        del env
-        with mode, torch.enable_grad():
-            run_lines(graph.buffer_updates_prologue, fake)
-            for node in graph.nodes:
-                run_lines(node.lines, fake)
-                for name in graph.exported(node):
-                    value = fake[name]
-                    if isinstance(value, torch.Tensor) and value.requires_grad:
-                        value.register_hook(lambda g, name=name: grads.__setitem__(name, g))
-            outputs = [fake[n] for n in graph.outputs]
-            outputs = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
-            if outputs:
-                # a loss's gradient is contiguous whatever the output's layout (a reshape of
-                # it, cross-entropy's): a transposed output's backward gets a contiguous one
-                ones = [torch.ones(o.shape, dtype=o.dtype, device=o.device) for o in outputs]
-                torch.autograd.backward(outputs, ones)
-            record: dict[str, GradLayout] = {}
-            for node in graph.nodes:
-                record.update(node_layouts([(n, grads[n]) for n in graph.exported(node) if n in grads]))
+        grads = _fake_backward(graph, model, sample)
+        record: dict[str, GradLayout] = {}
+        for node in graph.nodes:
+            record.update(node_layouts([(n, grads[n]) for n in graph.exported(node) if n in grads]))
+        grads = None
+        if receivers is not None:
+            found: set[str] = set()
+            _fake_backward(graph, model, sample, found)
+            receivers.update(name for name in record if name in found)
     except Exception:  # noqa: BLE001 - an op without a meta function: layouts are not known
         return None
     return record
+
+
+def _fake_backward(graph: SimplifiedGraph, model: nn.Module, sample, from_readers: set[str] | None = None):
+    """One forward and backward of ``graph`` on fake tensors; returns the gradient of every
+    exported tensor that gets one (kept to the end: their storages told apart). With
+    ``from_readers``, each read of another node's tensor goes through an ``alias`` whose hook
+    adds the tensor's name there when a gradient comes back from that read (the model's outputs
+    are added too)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    grads: dict[str, torch.Tensor] = {}
+    env = initial_environment(graph, model, sample)
+    mode = FakeTensorMode()
+    fake: dict[str, object] = {}
+    for key, value in env.items():
+        if isinstance(value, torch.Tensor):
+            tensor = mode.from_tensor(value)
+            if value.requires_grad and not tensor.requires_grad:
+                tensor.requires_grad_()
+            fake[key] = tensor
+        else:
+            fake[key] = value
+    del env
+    with mode, torch.enable_grad():
+        run_lines(graph.buffer_updates_prologue, fake)
+        for node in graph.nodes:
+            originals = {}
+            if from_readers is not None:
+                for line in node.lines:
+                    for arg in line.all_input_nodes:
+                        value = fake.get(arg.name)
+                        if arg.name in originals or graph.owner.get(arg.name) in (None, node.name) \
+                                or not isinstance(value, torch.Tensor) or not value.requires_grad:
+                            continue
+                        originals[arg.name] = value
+                        fake[arg.name] = torch.ops.aten.alias.default(value)
+                        fake[arg.name].register_hook(lambda g, name=arg.name: from_readers.add(name))
+            run_lines(node.lines, fake)
+            fake.update(originals)
+            for name in graph.exported(node):
+                value = fake[name]
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    value.register_hook(lambda g, name=name: grads.__setitem__(name, g))
+        outputs = [n for n in graph.outputs if isinstance(fake.get(n), torch.Tensor) and fake[n].requires_grad]
+        if from_readers is not None:
+            from_readers.update(outputs)
+        if outputs:
+            # a loss's gradient is contiguous whatever the output's layout (a reshape of
+            # it, cross-entropy's): a transposed output's backward gets a contiguous one
+            ones = [torch.ones(fake[n].shape, dtype=fake[n].dtype, device=fake[n].device) for n in outputs]
+            torch.autograd.backward([fake[n] for n in outputs], ones)
+    return grads
 
 
 def _phantoms_in_recording(saved: SavedTensors, node: str, device: torch.device):

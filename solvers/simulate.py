@@ -229,21 +229,30 @@ class _Storages:
 
     def flush(self, only: str | None = None) -> int:
         """Add the waiting contributions (to gradient ``only``, or all) into their gradients;
-        return the peak while it runs: what was there, plus the biggest new sum (the executor
-        hands the contributions over in the order the engine made them, which the CD-graph does
-        not know: a sum may come before the contributions added in place are freed)."""
-        start = peak = self.memory
+        return the peak while it runs: what was there, plus the new sums whose old gradient
+        another holder keeps (fuzz seed 65: `tanh(x)` read by two adds that pass one gradient
+        on: two sums beside it), plus the biggest of the other new sums (the executor hands the
+        contributions over in the order the engine made them, which the CD-graph does not know:
+        a sum may come before the contributions added in place are freed)."""
+        start = self.memory
+        # the new sums whose old gradient another holder keeps (an alias, a contribution still
+        # waiting: their storages stay to the flush's end) add up; of the others, whose old one
+        # goes at once, the biggest
+        lasting = biggest = 0
         flushed = [entry for entry in self.pending if only is None or entry[0] == only]
         for d, i, storage in flushed:
             held = self.storage[d][i]
             # shared: old + grad, a new tensor; so for a model input's gradient, whose sink may
             # hold a view of a bigger tensor or a group's sum (not told apart here)
             if self.holders[held] > 1 or held in self.shared or d in self.first_run_sizes:
-                peak = max(peak, start + self._part_size(d, i))
+                if self.holders[held] > 1:
+                    lasting += self._part_size(d, i)
+                else:
+                    biggest = max(biggest, self._part_size(d, i))
                 self._hold_new(d, i)  # then the old one goes
             self._release(storage)  # the contribution (added in place into a gradient held alone)
         self.pending = [entry for entry in self.pending if entry not in flushed]
-        return peak
+        return start + lasting + biggest
 
 
 _FIRST_RUN = "first run: "  # the data-node names of the model inputs' gradients in _Storages

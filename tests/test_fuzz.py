@@ -35,6 +35,16 @@ GRID = dict(peak_steps=3, save_steps=3)
 @seed(20261123)
 # programs that failed once (benchmarks/fuzz.py), run first
 @given(program=programs(), fraction=st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]))
+# fuzz seed 65: a result read by its own island's view (returned) and by dropouts whose results
+# are unused gets no gradient from outside its island (the inspection gave it one, and
+# credited its free: 1056 B over the budget at the minimum)
+@example(written([("cat_linear", [0, 0]), ("dropout_unused", [1]), ("split_swap", [2]), ("identity_view", [2]),
+                  ("identity_view", [4]), ("hardswish", [5]), ("dropout", [6])], [5], seq=4, dim=16,
+                 dtype=torch.float64, seed=0), 0.0)
+# fuzz seed 65: two adds pass one gradient on to `tanh(x)` and to `x` (returned): both sums are
+# made while that gradient lives (272 B over the budget at the minimum)
+@example(written([("tanh", [0]), ("add", [1, 0]), ("add", [2, 1])], [0, 3], batch=2, seq=4, dim=8,
+                 input_requires_grad=True, seed=65536), 0.3)
 # a view of a result that the user gets, made after another reader of the result: eager adds the
 # view's gradient first (exec.codegen._result_views_made_late); also where the result's node is
 # merged with its producer (an in-place relu after a linear) and another node reads the view
