@@ -128,6 +128,9 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
         overhead_bytes=0,
         needs=list(output_data),
         produces=list(output_grads),
+        # the parts that come from after the block (a view that only the block's own nodes read
+        # gets its gradient from them)
+        contributes={dname(o, G): tuple(parts) for o, parts in measure.output_parts.items() if o in grad_exists},
         # the user's loss makes the outputs' gradients: a view of its own result (a reshape's
         # backward) is not added into in place, so none is taken to be
         shared={g.name: tuple(range(len(g.part_sizes))) for g in data if g.name in output_grads},

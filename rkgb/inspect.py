@@ -122,6 +122,9 @@ class BlockMeasure:
     input_requires_grad: bool
     outputs: list[str]
     has_input: bool
+    # output node -> the parts of its gradient that come from outside the block (read after
+    # it, or returned), where not all: the others come from the block's own nodes only
+    output_parts: dict[str, list[int]] = field(default_factory=dict)
     input_grad_parts: list[int] = field(default_factory=list)
     side_inputs: list[SideInputMeasure] = field(default_factory=list)
 
@@ -914,10 +917,22 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             results.append(measure)
             grad_parts_of[name] = measure.grad_parts
 
-        # the loss: gradients of the block's outputs
+        # the loss: gradients of the block's outputs, for the tensors that a node after the
+        # block reads or the model returns (a view read only inside the block gets its
+        # gradient from its readers there, as in the executor)
+        outside = {arg.name for node in graph.nodes if node.name not in block.nodes
+                   for line in node.lines for arg in line.all_input_nodes} | set(graph.outputs)
+        output_parts: dict[str, list[int]] = {}
         for name in block.output_nodes:
-            for i, ((leaf, _), fx_name) in enumerate(zip(grad_leaves.get(name, []), grad_names.get(name, []))):
-                leaf.grad = _output_gradient(leaf, layouts.get(fx_name))
+            names = grad_names.get(name, [])
+            given = [i for i, fx_name in enumerate(names) if fx_name in outside]
+            if given and len(given) < len(names):
+                output_parts[anonymous[name]] = given
+            else:
+                given = list(range(len(names)))
+            for i in given:
+                leaf = grad_leaves[name][i][0]
+                leaf.grad = _output_gradient(leaf, layouts.get(names[i]))
                 state.produce((name, i), 0, False)
 
         for measure, name in reversed(list(zip(results, block.nodes))):
@@ -1065,6 +1080,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         input_grad_parts=input_grad_parts,
         input_requires_grad=input_requires_grad,
         outputs=[anonymous[n] for n in block.output_nodes],
+        output_parts=output_parts,
         has_input=block.input_node is not None,
         side_inputs=side_measures,
     )
