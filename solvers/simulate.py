@@ -23,6 +23,9 @@ Rematerialization", MLSys 2020). The memory model is the one of ``rkgb.cdgraph``
   it is added in place into a gradient whose storage nothing else holds (eager's buffer steals
   it), or into a new tensor (``old + grad``) where the storage is shared (an alias of another
   gradient), the old one released;
+- a backward whose incoming gradient has no other holder (``_Storages.held_alone``) counts
+  ``ComputeNode.handoff_overhead_bytes`` as its temporary memory: the executor hands that
+  gradient over to the engine, which frees it once used (``rkgb.gradsink.handoff``);
 - ``Compute(fwd_x, with_grad=False)`` produces no phantoms;
 - ``bwd_x`` needs, besides its ``needs``, ``x.grad`` and ``x.phantoms`` (when those nodes
   exist), and consumes the phantoms: they cannot serve another backward;
