@@ -208,6 +208,9 @@ class _Generator:
         # exported views in a node's body whose gradient joins the result's where eager runs
         # the view's backward: view -> the node (see _result_views_made_late)
         self.late_result_views = _result_views_made_late(graph, infos, self.merged)
+        # the island outputs whose gradient edge the backward reads apart (a late view's, its
+        # base's: view_gradient); the others' backwards run from their island's handoff root
+        self.edge_outputs = set(self.late_result_views) | set(self.late_result_views.values())
 
     # -- expressions ---------------------------------------------------------------------
     def bind(self, value: Any, hint: str) -> str:
@@ -459,7 +462,8 @@ class _Generator:
             else:
                 grad_outputs = [out for out in exported if info.exported_requires_grad[out]]
                 for out in grad_outputs:
-                    w(f"s.{self.island_names[out]} = gradient_edge({out})")
+                    if out in self.edge_outputs:
+                        w(f"s.{self.island_names[out]} = gradient_edge({out})")
                 if grad_outputs:  # the root of its backward (rkgb.gradsink.handoff)
                     w(f"s._handoff_{name} = handoff{self.tuple(grad_outputs)}")
             self.has_graph.add(name)
@@ -521,7 +525,8 @@ class _Generator:
             w(f"handoff_backward(s._handoff_{name}, {self.tuple(f's.{o}' for o in outs)})")
             w(f"s._handoff_{name} = None")
         for out in outs:
-            w(f"s.{self.island_names[out]} = None")
+            if out in self.edge_outputs:
+                w(f"s.{self.island_names[out]} = None")
         # its contributions join the next gradients when the next compute starts, after the
         # forgets that follow it (the incoming gradient, the saved tensors): as eager's engine
         self.contributions_waiting = True
