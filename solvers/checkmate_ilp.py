@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import pulp
 
 from rkgb.cdgraph import CDGraph, ComputeKind, DataKind
+from solvers.forward_runs import forward_runs
 from solvers.simulate import effective_needs, gradient_profile, operation_outputs, phantoms_of
 
 __all__ = ["ILPSolution", "RkCheckmateILP", "make_pulp_solver", "highs_available", "ortools_available",
@@ -247,6 +248,7 @@ class RkCheckmateILP:
         memory_unit_bytes: float = 1.0,
         binary_saved: bool = True,
         keep_free_phantoms: bool = True,
+        whole_runs: bool = False,
     ) -> None:
         self.graph = graph
         self.keep_outputs = keep_outputs
@@ -302,6 +304,17 @@ class RkCheckmateILP:
         self.save_var = _variable(prob, "save_budget", lowBound=0)
         size = {d.name: d.size_bytes / self.unit for d in graph.data_nodes}
 
+        # runs of forwards recomputed as a whole: one R variable per run and stage
+        run_of: dict[int, int] = {}
+        kept_until: dict[str, int] = {}  # a run's inner result: not kept past the run's stage
+        if whole_runs:
+            for run in forward_runs(graph):
+                for name in run:
+                    run_of[stage[name]] = stage[run[-1]]
+                for name in run[:-1]:
+                    for d in operation_outputs(graph, nodes[stage[name]], False):
+                        kept_until[d] = stage[run[-1]]
+        run_vars: dict[tuple[int, int], pulp.LpVariable] = {}
         # slots of each stage: (k, R variable or None when mandatory)
         self.slots: list[list[tuple[int, pulp.LpVariable | None]]] = []
         recompute_time = []
@@ -314,7 +327,10 @@ class RkCheckmateILP:
                     if k >= t:
                         break
                     if last_useful[k] >= t and (useful is None or k in useful):
-                        r = _variable(prob, f"R_{t}_{k}", cat=pulp.LpBinary)
+                        key = (t, run_of.get(k, k))
+                        r = run_vars.get(key)
+                        if r is None:
+                            r = run_vars[key] = _variable(prob, f"R_{t}_{k}", cat=pulp.LpBinary)
                         slots.append((k, r))
                         recompute_time.append(nodes[k].time_s * r)
             slots.append((t, None))
@@ -324,7 +340,7 @@ class RkCheckmateILP:
         alive_at_start: dict[tuple[int, str], pulp.LpVariable] = {}
         alive_by_stage: list[list[str]] = [[] for _ in range(n_stages)]
         for d, p in producer.items():
-            for t in range(p + 1, min(last_needed[d], n_stages - 1) + 1):
+            for t in range(p + 1, min(last_needed[d], n_stages - 1, kept_until.get(d, n_stages)) + 1):
                 # what is alive at the loss (the block's saved set) is binary: CBC then branches
                 # on "keep d for the backward or not" instead of on fractional recomputations
                 cat = pulp.LpBinary if t == loss and binary_saved else pulp.LpContinuous
@@ -456,7 +472,7 @@ class RkCheckmateILP:
                     before = after
         self.time_unit = max(sum(c.time_s for c in nodes), 1e-30) / 1000.0
         self.time_objective = pulp.lpSum(recompute_time) * (1.0 / self.time_unit)
-        self.n_binaries = len(recompute_time)
+        self.n_binaries = len(run_vars)
         self.n_rows = n_rows
         self.mandatory_time = sum(c.time_s for c in nodes)
 

@@ -394,6 +394,9 @@ class RockmateSolver(ChainPlanner):
     # computes: 205 s in the two bound solves alone, each far past its limit, and no option
     # found). None: no limit
     max_ilp_computes: int | None = 200
+    # recompute runs of forwards that only feed each other as a whole (solvers.forward_runs):
+    # the same options, grids 1.5x faster on attention classes
+    whole_runs: bool = True
     reports: dict[int, GridReport] = field(default_factory=dict, repr=False)
     cache: OptionCache | None = field(default_factory=lambda: default_cache, repr=False)
 
@@ -405,7 +408,7 @@ class RockmateSolver(ChainPlanner):
                     f"{self.max_ilp_computes}): keep everything, or recompute the whole block")
             return rotor_options(graph, notes=[note])
         settings = (self.peak_steps, self.save_steps, self.time_limit_s, self.ilp_solver,
-                    self.forward_recompute, self.lazy_recompute, self.gap, self.grid_time_limit_s)
+                    self.forward_recompute, self.lazy_recompute, self.gap, self.grid_time_limit_s, self.whole_runs)
         report = GridReport()
 
         def compute() -> ClassOptions:
@@ -420,6 +423,7 @@ class RockmateSolver(ChainPlanner):
                 gap=self.gap,
                 workers=self.workers,
                 grid_time_limit_s=self.grid_time_limit_s,
+                whole_runs=self.whole_runs,
                 report=report,
             )
 
