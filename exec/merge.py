@@ -43,38 +43,47 @@ def merge_candidates(graph, infos) -> dict[str, str]:
     return candidates
 
 
-def _fits_schedule(ops: list[Operation], a: str, b: str) -> bool:
+def compute_positions(ops: list[Operation]) -> dict[str, list[int]]:
+    """The positions of each compute node's runs in ``ops``."""
+    positions: dict[str, list[int]] = {}
+    for i, op in enumerate(ops):
+        if isinstance(op, Compute):
+            positions.setdefault(op.node, []).append(i)
+    return positions
+
+
+def _fits_schedule(ops: list[Operation], a: str, b: str, positions: dict[str, list[int]] | None = None) -> bool:
     """``fwd_b`` (grad) after each ``fwd_a`` (grad) and only there, with only forgets of other
-    data in between; ``bwd_a`` after ``bwd_b`` with only forgets in between."""
+    data in between; ``bwd_a`` after ``bwd_b`` with only forgets in between. ``positions``:
+    :func:`compute_positions` of ``ops`` (only the runs of the four nodes are looked at)."""
+    positions = compute_positions(ops) if positions is None else positions
     fwd_a, fwd_b, bwd_a, bwd_b, a_data = f"fwd_{a}", f"fwd_{b}", f"bwd_{a}", f"bwd_{b}", f"{a}.data"
 
-    def with_grad(op: Operation, node: str) -> bool:
+    def with_grad(op: Operation | None, node: str) -> bool:
         return isinstance(op, Compute) and op.node == node and op.with_grad
 
-    def neighbour(i: int, step: int) -> Operation | None:
-        """The first operation from ``i`` on (in direction ``step``) that is not a forget of
-        data other than ``a``'s."""
+    def neighbour(i: int, step: int, skip_own: bool = True) -> Operation | None:
+        """The first operation from ``i`` on (in direction ``step``) that is not a forget (of
+        data other than ``a``'s, with ``skip_own``)."""
         i += step
-        while 0 <= i < len(ops) and isinstance(ops[i], Forget) and ops[i].node != a_data:
+        while 0 <= i < len(ops) and isinstance(ops[i], Forget) and (not skip_own or ops[i].node != a_data):
             i += step
         return ops[i] if 0 <= i < len(ops) else None
 
-    found_backward = False
-    for i, op in enumerate(ops):
-        if with_grad(op, fwd_a) and not with_grad(neighbour(i, 1), fwd_b):
+    for i in positions.get(fwd_a, ()):
+        if ops[i].with_grad and not with_grad(neighbour(i, 1), fwd_b):
             return False
-        if with_grad(op, fwd_b) and not with_grad(neighbour(i, -1), fwd_a):
+    for i in positions.get(fwd_b, ()):
+        if ops[i].with_grad and not with_grad(neighbour(i, -1), fwd_a):
             return False
-        if isinstance(op, Compute) and op.node == bwd_a and not found_backward:
+    backwards_b = positions.get(bwd_b, ())
+    if not backwards_b or min(positions.get(bwd_a, [len(ops)])) < backwards_b[0]:
+        return False  # (a bwd_a before the first bwd_b)
+    for i in backwards_b:
+        after = neighbour(i, 1, skip_own=False)
+        if not (isinstance(after, Compute) and after.node == bwd_a):
             return False
-        if isinstance(op, Compute) and op.node == bwd_b:
-            j = i + 1
-            while j < len(ops) and isinstance(ops[j], Forget):
-                j += 1
-            if not (j < len(ops) and isinstance(ops[j], Compute) and ops[j].node == bwd_a):
-                return False
-            found_backward = True
-    return found_backward
+    return True
 
 
 def executed_order(schedule: Schedule, merged: dict[str, str]) -> Schedule:
@@ -160,7 +169,8 @@ def plan_merges(graph, schedule: Schedule, infos, cdgraph=None, peak_limit: int 
     one allocates the first time (an input's gradient).
     """
     ops = schedule.ops
-    candidates = {a: b for a, b in merge_candidates(graph, infos).items() if _fits_schedule(ops, a, b)}
+    positions = compute_positions(ops)
+    candidates = {a: b for a, b in merge_candidates(graph, infos).items() if _fits_schedule(ops, a, b, positions)}
     candidates = without_shared_reads(graph, candidates)
     if cdgraph is None or peak_limit is None:
         return candidates

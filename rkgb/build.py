@@ -431,6 +431,24 @@ def _tensor_signature(value) -> tuple | None:
     return (tuple(value.shape), tuple(value.stride()), str(value.dtype), value.device.type, value.requires_grad)
 
 
+def _graph_lines(captured: CapturedGraph) -> list:
+    """The captured graph, node by node: op, arguments, and its value's shape, strides, dtype,
+    device and ``requires_grad``."""
+    return [(node.op, str(node.target), repr(node.args), repr(node.kwargs),
+             [_tensor_signature(v) for v in tree_leaves(node.meta.get("val"))])
+            for node in captured.graph.nodes]
+
+
+def layouts_key(captured: CapturedGraph, device: torch.device) -> str:
+    """The key of a build's gradient layouts (:func:`rkgb.inspect.gradient_layouts`, two fake
+    forward and backward passes: 1.9 s of a second build of a 12-layer Llama of GPT-2 small's
+    width) in :class:`rkgb.disk_cache.MeasureCache`: the captured graph, node by node (the
+    simplified graph is made from it), the device, torch's version (the ops' meta functions)
+    and the graph builder's source."""
+    content = repr(("gradient layouts", source_digest(), torch.__version__, str(device), _graph_lines(captured)))
+    return hashlib.sha256(content.encode()).hexdigest()
+
+
 def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str, bool], layouts, device: torch.device,
                  cost_model: str, repeats: int) -> str:
     """The key of a build's measures in :class:`rkgb.disk_cache.MeasureCache`: what they depend
@@ -441,9 +459,7 @@ def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str,
     and times), the cost model and the graph builder's own source
     (:func:`rkgb.disk_cache.source_digest`). Not the values of tensors: no measure depends on
     them (but the timings, which a second build takes from the first)."""
-    lines = [(node.op, str(node.target), repr(node.args), repr(node.kwargs),
-              [_tensor_signature(v) for v in tree_leaves(node.meta.get("val"))])
-             for node in captured.graph.nodes]
+    lines = _graph_lines(captured)
     blocks = [(b.index, b.class_index, tuple(b.nodes), b.input_node, tuple(b.side_inputs)) for b in chain.blocks]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     # the settings that choose kernels (and so their scratch memory and times)
@@ -487,8 +503,16 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     clock = time.perf_counter()
     simplified = simplify(captured)
     # which tensors a backward from the outputs reaches (and the layouts of their gradients)
-    receivers: set[str] = set()
-    layouts = gradient_layouts(simplified, model, sample, receivers)
+
+    def find_layouts() -> list:
+        receivers: set[str] = set()
+        return [gradient_layouts(simplified, model, sample, receivers), receivers]
+
+    if measure_cache is None:
+        layouts, receivers = find_layouts()
+    else:
+        key = layouts_key(captured, device_of(model, as_input_tuple(sample)))
+        layouts, receivers = measure_cache.get_or_compute(key, find_layouts)
     simplified.gradient_receivers = None if layouts is None else receivers
     requires_grad = global_requires_grad(simplified, model, sample)
     needs = gradient_needs(simplified, requires_grad)
