@@ -207,6 +207,11 @@ class CDGraph:
         self._compute = {node.name: node for node in self.compute_nodes}
         self._data = {node.name: node for node in self.data_nodes}
 
+    def __getstate__(self) -> dict:
+        # (the simulator's memo of needs and outputs, solvers.simulate._memoized, is keyed by
+        # the nodes' identities: not worth keeping)
+        return {key: value for key, value in self.__dict__.items() if key != "_structure_memo"}
+
     # -- lookups -------------------------------------------------------------------------
     def compute(self, name: str) -> ComputeNode:
         return self._compute[name]

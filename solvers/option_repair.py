@@ -46,10 +46,14 @@ class ScheduleRepair:
         Every recomputation must serve a later operation of its stage.
     max_evaluations
         Simulations per :meth:`repair` call (each under a millisecond on a 25-node block).
+    tied
+        Per stage, the groups of forwards that the ILP recomputes together (one variable: a
+        run of forwards, ``RkCheckmateILP(whole_runs=True)``): a repair recomputes all of a
+        group or none, so that its schedules stay valid MIP starts.
     """
 
     def __init__(self, graph: CDGraph, allowed: set[tuple[int, int]], *, lazy: bool = True,
-                 max_evaluations: int = 30) -> None:
+                 max_evaluations: int = 30, tied: dict[int, list[list[int]]] | None = None) -> None:
         self.graph = graph
         self.nodes = graph.compute_nodes
         self.names = [c.name for c in self.nodes]
@@ -57,6 +61,7 @@ class ScheduleRepair:
         self.allowed = allowed
         self.lazy = lazy
         self.max_evaluations = max_evaluations
+        self.tied = tied or {}
         self.needs = [set(effective_needs(graph, c)) for c in self.nodes]
         self.outputs = [set(operation_outputs(graph, c, True)) for c in self.nodes]
         self.producer: dict[str, int] = {}
@@ -94,7 +99,8 @@ class ScheduleRepair:
         return self._cache[stages]
 
     def _lazy(self, stages: list[list[int]]) -> Stages:
-        """Drop the recomputations that serve no later operation of their stage."""
+        """Drop the recomputations that serve no later operation of their stage (then complete
+        the tied groups that keep a member)."""
         if self.lazy:
             for t, extra in enumerate(stages):
                 kept: list[int] = []
@@ -104,6 +110,12 @@ class ScheduleRepair:
                         kept.append(k)
                         read |= self.needs[k]
                 stages[t] = kept
+        for t, groups in self.tied.items():
+            extra = set(stages[t])
+            for group in groups:
+                if extra.intersection(group):
+                    extra.update(group)
+            stages[t] = list(extra)
         return tuple(tuple(sorted(set(e))) for e in stages)
 
     # -- moves ---------------------------------------------------------------------------
