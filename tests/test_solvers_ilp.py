@@ -350,8 +350,9 @@ def _recomputed_per_stage(graph, computes):
 
 
 def test_forward_runs_are_results_only_the_next_steps_read():
-    """A run: consecutive forwards whose results (no smaller than the run's) only a later member
-    reads; a result a backward reads, or a smaller one (a checkpoint worth keeping), ends it."""
+    """A run: consecutive forwards whose results only a later member reads; a result a backward
+    reads ends it, and so does a smaller result than the run's that is not cheap to compute (a
+    checkpoint worth keeping)."""
     specs = [
         NodeSpec("a", ["in"], 8, backward_reads=["in"]),
         NodeSpec("b", ["a"], 8),  # read by c only
@@ -363,6 +364,10 @@ def test_forward_runs_are_results_only_the_next_steps_read():
     ]
     graph = graph_from_specs(specs, 8)
     assert forward_runs(graph) == [["fwd_a", "fwd_b", "fwd_c", "fwd_d"], ["fwd_f", "fwd_g"]]
+    # a smaller result whose computation is cheap (at most 2% of the forward time) stays in
+    specs[4] = NodeSpec("e", ["d"], 2, forward_time_s=0.01)
+    assert forward_runs(graph_from_specs(specs, 8)) == [["fwd_a", "fwd_b", "fwd_c", "fwd_d"],
+                                                        ["fwd_e", "fwd_f", "fwd_g"]]
 
 
 @pytest.mark.parametrize("seed", [1, 4, 5, 7, 9])
