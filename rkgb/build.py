@@ -508,10 +508,11 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
         receivers: set[str] = set()
         return [gradient_layouts(simplified, model, sample, receivers), receivers]
 
+    device = device_of(model, as_input_tuple(sample))
     if measure_cache is None:
         layouts, receivers = find_layouts()
     else:
-        key = layouts_key(captured, device_of(model, as_input_tuple(sample)))
+        key = layouts_key(captured, device)
         layouts, receivers = measure_cache.get_or_compute(key, find_layouts)
     simplified.gradient_receivers = None if layouts is None else receivers
     requires_grad = global_requires_grad(simplified, model, sample)
@@ -531,7 +532,6 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     if measure_cache is None:
         classes_of_blocks, measures = measure()
     else:
-        device = device_of(model, as_input_tuple(sample))
         key = measures_key(captured, chain, requires_grad, layouts or {}, device, cost_model, repeats)
         hits = measure_cache.hits
         classes_of_blocks, measures = measure_cache.get_or_compute(key, measure)

@@ -253,16 +253,7 @@ def solve_class_options(
         repairer = None
         if repair:
             allowed = {(t, k) for t, slots in enumerate(built[0].slots) for k, r in slots if r is not None}
-            tied: dict[int, list[list[int]]] = {}  # forwards of a stage that share one variable
-            for t, slots in enumerate(built[0].slots):
-                by_variable: dict[str, list[int]] = {}
-                for k, r in slots:
-                    if r is not None:
-                        by_variable.setdefault(r.name, []).append(k)
-                groups = [group for group in by_variable.values() if len(group) > 1]
-                if groups:
-                    tied[t] = groups
-            repairer = ScheduleRepair(graph, allowed, lazy=lazy_recompute, tied=tied)
+            repairer = ScheduleRepair(graph, allowed, lazy=lazy_recompute, tied=built[0].tied_forwards())
 
         def excess(option: BlockOption, peak: int, save: int) -> float:
             """How far ``option`` is from fitting (peak, save), relative to the grid's ranges."""

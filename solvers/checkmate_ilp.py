@@ -481,6 +481,20 @@ class RkCheckmateILP:
         self.n_rows = n_rows
         self.mandatory_time = sum(c.time_s for c in nodes)
 
+    def tied_forwards(self) -> dict[int, list[list[int]]]:
+        """Per stage, the groups of forwards that share one recomputation variable (the runs
+        of ``whole_runs``): a MIP start recomputes all of a group or none."""
+        tied: dict[int, list[list[int]]] = {}
+        for t, slots in enumerate(self.slots):
+            by_variable: dict[str, list[int]] = {}
+            for k, r in slots:
+                if r is not None:
+                    by_variable.setdefault(r.name, []).append(k)
+            groups = [group for group in by_variable.values() if len(group) > 1]
+            if groups:
+                tied[t] = groups
+        return tied
+
     # ------------------------------------------------------------------------------------
     def solve(
         self,

@@ -32,7 +32,8 @@ held to its end) was 6x faster but raised the Llama class's smallest peak by 7%.
 
 from __future__ import annotations
 
-from rkgb.cdgraph import CDGraph, ComputeKind, ComputeNode, DataKind
+from rkgb.cdgraph import CDGraph, ComputeKind, ComputeNode
+from solvers.simulate import operation_outputs
 
 __all__ = ["forward_runs", "CHEAP_SHARE"]
 
@@ -42,13 +43,13 @@ CHEAP_SHARE = 0.02
 
 
 def _result_bytes(graph: CDGraph, node: ComputeNode) -> int:
-    return sum(graph.size(d) for d in node.produces if graph.data(d).kind is not DataKind.PHANTOMS)
+    return sum(graph.size(d) for d in operation_outputs(graph, node, False))
 
 
 def _only_reader(graph: CDGraph, node: ComputeNode) -> str | None:
     """The forward that alone reads ``node``'s only result, where nothing else does (no
     backward, not the loss, not a block output); None otherwise."""
-    results = [d for d in node.produces if graph.data(d).kind is not DataKind.PHANTOMS]
+    results = operation_outputs(graph, node, False)
     if len(results) != 1 or results[0] in graph.output_data or results[0] in graph.input_data:
         return None
     readers = [c for c in graph.compute_nodes if results[0] in c.needs]  # (a shape read needs nothing alive)
@@ -57,15 +58,15 @@ def _only_reader(graph: CDGraph, node: ComputeNode) -> str | None:
     return readers[0].name
 
 
-def _contiguous_runs(graph: CDGraph, forwards: list[ComputeNode]) -> list[list[ComputeNode]]:
+def _contiguous_runs(forwards: list[ComputeNode], reader_of: dict[str, str | None]) -> list[list[ComputeNode]]:
     """The maximal runs among ``forwards`` (consecutive in the graph): decided from the last
-    back, k joins the run of its only reader j when j is among them and j's run starts right
-    after k."""
+    back, k joins the run of its only reader j (``reader_of``) when j is among them and j's
+    run starts right after k."""
     position = {c.name: i for i, c in enumerate(forwards)}
     last_of: dict[str, str] = {}
     first_of: dict[str, int] = {}
     for node in reversed(forwards):
-        reader = _only_reader(graph, node)
+        reader = reader_of[node.name]
         last = last_of.get(reader) if reader is not None else None
         if last is not None and first_of[last] == position[node.name] + 1:
             last_of[node.name] = last
@@ -105,10 +106,11 @@ def forward_runs(graph: CDGraph) -> list[list[str]]:
     forward left out."""
     forwards = graph.forward_nodes()
     cheap_s = CHEAP_SHARE * sum(c.time_s for c in forwards)
+    reader_of = {c.name: _only_reader(graph, c) for c in forwards}
     found: list[list[ComputeNode]] = []
     pending = [forwards]
     while pending:
-        for run in _contiguous_runs(graph, pending.pop()):
+        for run in _contiguous_runs(pending.pop(), reader_of):
             cut = _checkpoint(graph, run, cheap_s)
             if cut is None:
                 found.append(run)

@@ -280,57 +280,47 @@ def phantoms_of(graph: CDGraph, node: ComputeNode) -> str | None:
     return name if graph.has_data(name) else None
 
 
-def _memoized(graph: CDGraph, kind: str, node: ComputeNode, flag: bool, compute) -> list[str]:
-    """``compute()``, kept for the next calls with this graph, node and flag (graphs are not changed after they are
-    built; the node itself is kept with the result, so that a node of another graph with the
-    same name is never confused with it). The simulator asks for a node's needs and outputs
-    several times per operation: memoized, the option grid of a 59-compute class spends a
-    third less time in its 2000 simulations."""
+def _memoized(graph: CDGraph, node: ComputeNode, figure, *args) -> list[str]:
+    """``figure(graph, node, *args)``, kept on the graph for the next calls (graphs are not
+    changed after they are built; the node itself is kept with the result, so that a node of
+    another graph with the same name is never confused with it). The simulator asks for a
+    node's needs and outputs several times per operation: memoized, the option grid of a
+    59-compute class spends a third less time in its 2000 simulations."""
     memo = graph.__dict__.setdefault("_structure_memo", {})
-    found = memo[kind, id(node), flag] = (node, tuple(compute()))
+    key = (figure, id(node), args)
+    found = memo.get(key)
+    if found is None or found[0] is not node:
+        found = memo[key] = (node, tuple(figure(graph, node, *args)))
     return list(found[1])
 
 
-def _remembered(graph: CDGraph, kind: str, node: ComputeNode, flag: bool) -> list[str] | None:
-    """What :func:`_memoized` keeps for ``node``, or None (the fast path: no closure made)."""
-    memo = graph.__dict__.get("_structure_memo")
-    found = None if memo is None else memo.get((kind, id(node), flag))
-    return list(found[1]) if found is not None and found[0] is node else None
+def _needs(graph: CDGraph, node: ComputeNode) -> list[str]:
+    needs = list(node.needs)
+    if node.kind is ComputeKind.BACKWARD:
+        for extra in (data_name(node.target, DataKind.GRAD), phantoms_of(graph, node)):
+            if extra is not None and graph.has_data(extra) and extra not in needs:
+                needs.append(extra)
+    return needs
+
+
+def _outputs(graph: CDGraph, node: ComputeNode, with_grad: bool) -> list[str]:
+    outputs = [d for d in node.produces if graph.data(d).kind is not DataKind.PHANTOMS]
+    if node.kind is ComputeKind.FORWARD and with_grad:
+        phantoms = phantoms_of(graph, node)
+        if phantoms is not None:
+            outputs.append(phantoms)
+    return outputs
 
 
 def effective_needs(graph: CDGraph, node: ComputeNode) -> list[str]:
     """The data nodes that must be alive while ``node`` runs (its ``needs``, plus a backward's
     own gradient and phantoms)."""
-    found = _remembered(graph, "needs", node, False)
-    if found is not None:
-        return found
-
-    def compute() -> list[str]:
-        needs = list(node.needs)
-        if node.kind is ComputeKind.BACKWARD:
-            for extra in (data_name(node.target, DataKind.GRAD), phantoms_of(graph, node)):
-                if extra is not None and graph.has_data(extra) and extra not in needs:
-                    needs.append(extra)
-        return needs
-
-    return _memoized(graph, "needs", node, False, compute)
+    return _memoized(graph, node, _needs)
 
 
 def operation_outputs(graph: CDGraph, node: ComputeNode, with_grad: bool = True) -> list[str]:
     """The data nodes that ``Compute(node, with_grad)`` makes alive."""
-    found = _remembered(graph, "outputs", node, with_grad)
-    if found is not None:
-        return found
-
-    def compute() -> list[str]:
-        outputs = [d for d in node.produces if graph.data(d).kind is not DataKind.PHANTOMS]
-        if node.kind is ComputeKind.FORWARD and with_grad:
-            phantoms = phantoms_of(graph, node)
-            if phantoms is not None:
-                outputs.append(phantoms)
-        return outputs
-
-    return _memoized(graph, "outputs", node, with_grad, compute)
+    return _memoized(graph, node, _outputs, with_grad)
 
 
 def simulate(
