@@ -302,6 +302,48 @@ def test_models_export_cannot_capture_are_capture_errors(model, what):
         _compiled(model())
 
 
+class _GradientReversal(torch.autograd.Function):
+    """A gradient reversal layer (domain adaptation): identity forward, negated backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class _Reversed(nn.Module):
+    def __init__(self, reverse_input_only: bool = False) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.reverse_input_only = reverse_input_only
+
+    def forward(self, x):
+        if self.reverse_input_only:  # applied to a tensor that requires no grad: never differentiated
+            return self.b(torch.tanh(self.a(_GradientReversal.apply(x))))
+        return self.b(_GradientReversal.apply(torch.tanh(self.a(x))))
+
+
+def test_a_custom_autograd_function_on_grad_is_a_clear_error():
+    """torch.export keeps a Function's forward and drops its backward: the gradients of the
+    captured graph would be the forward's (here of the opposite sign). Refused, with the
+    Function's name and the line that applies it."""
+    from rkgb.errors import UnsupportedOperation
+
+    with pytest.raises(UnsupportedOperation, match=r"_GradientReversal \(at .*test_misuse.py:\d+\).*drops its backward"):
+        _compiled(_Reversed())
+
+
+def test_a_custom_autograd_function_without_grad_trains_exactly():
+    """A Function applied to a tensor that requires no grad: its backward never runs."""
+    model = _Reversed(reverse_input_only=True)
+    reference = copy.deepcopy(model)
+    compiled = _compiled(model)
+    _same_training(compiled, compiled.model, reference, X)
+
+
 class _MovingAverage(nn.Module):
     """A buffer updated in place in the forward and read after the update (an EMA)."""
 

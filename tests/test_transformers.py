@@ -38,6 +38,11 @@ def _masked(model, low=0):
                    "labels": _ids()}
 
 
+def _images(size):
+    return {"pixel_values": torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0)),
+            "labels": torch.tensor([1, 3])}
+
+
 T = transformers
 MODELS = {
     "gpt2": lambda: _causal(T.GPT2LMHeadModel(T.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64,
@@ -82,6 +87,28 @@ MODELS = {
     "clip_vision": lambda: (T.CLIPVisionModel(T.CLIPVisionConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4)),
         {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))}),
+    # architectures tried as a new user would (2026-11-24): each bitwise at its first try
+    "gemma": lambda: _causal(T.GemmaForCausalLM(T.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=8))),
+    "falcon": lambda: _causal(T.FalconForCausalLM(T.FalconConfig(hidden_size=32, num_hidden_layers=2,
+                                                                 num_attention_heads=4, vocab_size=VOCAB))),
+    "gptj": lambda: _causal(T.GPTJForCausalLM(T.GPTJConfig(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB,
+                                                           n_positions=64, rotary_dim=4))),
+    # GPT-Neo: a local (windowed) attention layer after a global one
+    "gpt_neo": lambda: _causal(T.GPTNeoForCausalLM(T.GPTNeoConfig(
+        hidden_size=32, num_layers=2, num_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+        attention_types=[[["global", "local"], 1]], window_size=8))),
+    "stablelm": lambda: _causal(T.StableLmForCausalLM(T.StableLmConfig(**SMALL, num_key_value_heads=2))),
+    "olmo": lambda: _causal(T.OlmoForCausalLM(T.OlmoConfig(**SMALL, pad_token_id=0))),
+    "electra": lambda: _masked(T.ElectraForMaskedLM(T.ElectraConfig(**SMALL, embedding_size=16))),
+    "deberta_v2": lambda: _masked(T.DebertaV2ForMaskedLM(T.DebertaV2Config(**SMALL))),
+    "xlm_roberta": lambda: _masked(T.XLMRobertaForMaskedLM(T.XLMRobertaConfig(**SMALL, pad_token_id=1)), low=2),
+    "resnet": lambda: (T.ResNetForImageClassification(T.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5)), _images(32)),
+    "convnext": lambda: (T.ConvNextForImageClassification(T.ConvNextConfig(
+        hidden_sizes=[8, 16], depths=[1, 1], num_labels=5, num_stages=2)), _images(32)),
+    "swin": lambda: (T.SwinForImageClassification(T.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=5)),
+        _images(32)),
     "vit": lambda: (T.ViTForImageClassification(T.ViTConfig(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=4,
         num_labels=5)),
@@ -124,6 +151,35 @@ def test_a_kv_cache_output_names_use_cache():
     model, call = MODELS["t5"]()
     call = {key: value for key, value in call.items() if key != "use_cache"}
     with pytest.raises(CaptureError, match="use_cache=False"):
+        Rockmate(model.train(), call, "10GB", solver="none")
+
+
+def test_gradient_checkpointing_left_on_trains_exactly():
+    """transformers' gradient checkpointing (reentrant, its default): the captured graph holds
+    the layers' forwards once; their gradients are eager's, bitwise (Rockmate plans the
+    recomputation itself)."""
+    torch.manual_seed(0)
+    model, call = MODELS["gpt2"]()
+    model.train().gradient_checkpointing_enable()
+    compiled = Rockmate(copy.deepcopy(model), call, "10GB", solver="none", cost_model="flops")
+    for step in range(2):
+        torch.manual_seed(step)
+        _loss_of(compiled(**call)).backward()
+        torch.manual_seed(step)
+        _loss_of(model(**call)).backward()
+        for (path, p), q in zip(compiled.model.named_parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {path}'s gradient differs"
+
+
+def test_bloom_custom_gelu_backward_is_a_clear_error():
+    """BLOOM trains its GELU through a custom autograd.Function whose backward is its own formula:
+    export drops that backward (the gradients differed from eager's in the last bits). Refused
+    with the Function's name (rkgb.capture._CustomFunctions), never trained inexactly."""
+    from rockmate import UnsupportedOperation
+
+    model = T.BloomForCausalLM(T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=VOCAB))
+    model, call = _causal(model)
+    with pytest.raises(UnsupportedOperation, match="GeLUFunction .*modeling_bloom.py"):
         Rockmate(model.train(), call, "10GB", solver="none")
 
 
