@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import operator
 import os
 import sys
@@ -724,12 +725,34 @@ def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringI
         if not patched:
             return torch.export.export(model, args, strict=False)
         mark = printed.tell()
+        # a failure here is retried below: what torch writes about it (a warning, then the
+        # graph traced so far: about 90 lines on XLM-R's all-ones mask check) would only alarm
+        # the user; written out where the attempt ends otherwise
+        torch_said = io.StringIO()
         try:
-            return torch.export.export(model, args, strict=False)
+            with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(torch_said):
+                exported = torch.export.export(model, args, strict=False)
+            sys.stderr.write(torch_said.getvalue())
+            return exported
         except GuardOnDataDependentSymNode:
             printed.seek(mark)  # the forward runs again: print its output once
             printed.truncate()
+        except BaseException:
+            sys.stderr.write(torch_said.getvalue())
+            raise
     return torch.export.export(model, args, strict=False)
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Only errors from the logger ``name`` while the block runs."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_no_module_hooks(model: nn.Module) -> None:
