@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from rkgb.functions import applied_function
 from rkgb.interpret import batch_norms_in_place, tensor_args
 from rkgb.simplify import SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, split_of_view
 from solvers.schedule import Compute, Forget, Schedule
@@ -267,7 +268,10 @@ class _Generator:
         target = fx_node.target
         if target is operator.getitem:
             return f"{self.expr(fx_node.args[0], ref)}[{self.expr(fx_node.args[1], ref)}]"
-        if function is None and isinstance(target, torch._ops.OpOverload):
+        if function is None and target is torch.ops.rockmate.function_call.default:
+            # a custom autograd.Function applied as one operation (rkgb.functions): named after it
+            function = self.bind(target, f"apply_{applied_function(fx_node.args[0]).function.__name__}")
+        elif function is None and isinstance(target, torch._ops.OpOverload):
             namespace = target.namespace
             packet = target._overloadpacket.__name__
             function = f"aten.{packet}.{target._overloadname}" if namespace == "aten" else self.bind(target, "op")

@@ -18,6 +18,7 @@ from .cdgraph import input_grad_key, input_views_key, parameter_sum_key
 from .cdgraph import compute_name as cname
 from .cdgraph import data_name as dname
 from .disk_cache import source_digest
+from .functions import function_identity
 from .inspect import BlockMeasure, gradient_layouts, inspect_chain
 from .interpret import global_requires_grad, tensor_args
 from .simplify import SimplifiedGraph, gradient_needs, simplify, split_of_view
@@ -434,9 +435,17 @@ def _tensor_signature(value) -> tuple | None:
 def _graph_lines(captured: CapturedGraph) -> list:
     """The captured graph, node by node: op, arguments, and its value's shape, strides, dtype,
     device and ``requires_grad``."""
-    return [(node.op, str(node.target), repr(node.args), repr(node.kwargs),
+    return [(node.op, str(node.target), _arguments(node), repr(node.kwargs),
              [_tensor_signature(v) for v in tree_leaves(node.meta.get("val"))])
             for node in captured.graph.nodes]
+
+
+def _arguments(node: torch.fx.Node) -> str:
+    """A node's arguments, with a custom Function's process-wide index replaced by what it
+    stands for (:func:`rkgb.functions.function_identity`)."""
+    if node.target is torch.ops.rockmate.function_call.default:
+        return repr((function_identity(node.args[0]), *node.args[1:]))
+    return repr(node.args)
 
 
 def layouts_key(captured: CapturedGraph, device: torch.device) -> str:

@@ -20,8 +20,8 @@ numbers, the same saved tensors) wherever the mask is unused:
   only the mask and rebuild the noise by one conversion, instead of drawing again.
 
 A custom ``torch.autograd.Function`` that the forward applies to tensors requiring grad is
-refused (:class:`_CustomFunctions`): export keeps its forward and drops its backward, so the
-graph's gradients would not be the Function's.
+captured as one operation that applies the Function itself (:mod:`rkgb.functions`): export
+keeps its forward and drops its backward.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .errors import CaptureError, UnsupportedOperation
+from .functions import CustomFunctions
 
 __all__ = ["CapturedGraph", "capture", "as_input_tuple", "device_of", "restore_dropout"]
 
@@ -636,62 +637,6 @@ class _DecidedDraws(TorchFunctionMode):
         return result
 
 
-class _CustomFunctions:
-    """Records the custom ``torch.autograd.Function`` classes that the forward applies to tensors
-    that require grad, while Rockmate captures it (a context manager).
-
-    torch.export traces a Function's ``forward`` into the graph and drops its ``backward``: the
-    graph's gradients are then autograd's derivatives of the forward's operations, not the
-    Function's own (a gradient reversal layer or a straight-through estimator would get wrong
-    gradients; BLOOM's tanh-GELU backward, its own formula, differs from autograd's in the last
-    bits). :func:`capture` refuses such a model with the Function's name and source line.
-    Functions applied without grad (no input requires it, or grad mode off) are left alone:
-    their backward never runs; so is reentrant activation checkpointing
-    (``torch.utils.checkpoint.CheckpointFunction``, transformers' default with gradient
-    checkpointing on), whose backward recomputes the forward and differentiates it: the
-    traced graph's gradients are its own, bitwise (``tests/test_transformers.py``)."""
-
-    def __init__(self) -> None:
-        self.applied: list[str] = []  # "<qualified name> (at file:line)", in order, once each
-
-    def __enter__(self):
-        function = torch.autograd.function.Function
-        self._original = function.__dict__["apply"]
-        original, applied = self._original.__func__, self.applied
-
-        def apply(cls, *args, **kwargs):
-            if cls not in _SAME_BACKWARD and torch.is_grad_enabled() and any(isinstance(value, torch.Tensor) and value.requires_grad
-                                               for value in (*args, *kwargs.values())):
-                entry = f"{cls.__module__}.{cls.__qualname__}{_caller_of_apply()}"
-                if entry not in applied:
-                    applied.append(entry)
-            return original(cls, *args, **kwargs)
-
-        function.apply = classmethod(apply)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        torch.autograd.function.Function.apply = self._original
-
-
-def _same_backward() -> set:
-    from torch.utils.checkpoint import CheckpointFunction
-
-    return {CheckpointFunction}
-
-
-# Functions whose backward is autograd's derivative of their forward (see _CustomFunctions)
-_SAME_BACKWARD = _same_backward()
-
-
-def _caller_of_apply() -> str:
-    """`` (at file:line)`` of the innermost frame outside torch that called ``Function.apply``."""
-    frame = sys._getframe(2)
-    while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
-        frame = frame.f_back
-    return "" if frame is None else f" (at {frame.f_code.co_filename}:{frame.f_lineno})"
-
-
 @contextlib.contextmanager
 def _eager_paths():
     """transformers' code takes other paths when it sees a compiler (``is_torchdynamo_compiling()``,
@@ -817,7 +762,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     _check_no_module_hooks(model)
     printed = io.StringIO()  # what the forward prints while it is traced (see below)
     draws = _DecidedDraws()
-    functions = _CustomFunctions()
+    functions = CustomFunctions()
     try:
         # random ops whose results are unused still advance the generator in eager: the
         # export's dead-code elimination keeps them only when told that randomness is an effect
@@ -850,15 +795,13 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "forward (print, logging, counters in Python variables) run once, when Rockmate captures the "
             "model, not at each call of the compiled module", UserWarning, stacklevel=_stacklevel_of_caller())
 
-    if functions.applied:
+    if functions.refused:
         raise UnsupportedOperation(
             f"{_model_name(model)}'s forward applies custom torch.autograd.Function(s) to tensors that require "
-            f"grad: {'; '.join(functions.applied)}. torch.export keeps a Function's forward and drops its "
-            "backward, so the gradients would be autograd's derivatives of the forward, not the Function's own "
-            "(not bitwise; wrong for a gradient reversal or a straight-through estimator): Rockmate does not "
-            "train it. Replace the Function by plain tensor operations (or, for a model that offers one, its "
-            "inference-style path); activation checkpointing other than torch.utils.checkpoint's can be "
-            "turned off (Rockmate plans the recomputation itself).")
+            f"grad with arguments Rockmate cannot pass on: {'; '.join(functions.refused)}. torch.export keeps a "
+            "Function's forward and drops its backward, so Rockmate applies the Function itself as one operation "
+            "(rkgb.functions), which takes tensors and constants as positional arguments: pass the others "
+            "as constants, or replace the Function by plain tensor operations.")
     place_regenerated_views(exported.graph, traced)
     renamed: dict[str, str] = {}
     restore_dropout(exported.graph, device_of(model, args), renamed)

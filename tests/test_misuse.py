@@ -303,45 +303,98 @@ def test_models_export_cannot_capture_are_capture_errors(model, what):
 
 
 class _GradientReversal(torch.autograd.Function):
-    """A gradient reversal layer (domain adaptation): identity forward, negated backward."""
+    """A gradient reversal layer (domain adaptation): identity forward, backward negated and
+    scaled by a constant argument."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, scale):
+        ctx.scale = scale
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return -grad
+        return -ctx.scale * grad, None
 
 
-class _Reversed(nn.Module):
+class _StraightThrough(torch.autograd.Function):
+    """Rounding with a straight-through gradient (quantization-aware training), clipped where
+    the saved input is beyond 1."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x.abs() <= 1)
+
+
+class _CustomGradients(nn.Module):
     def __init__(self, reverse_input_only: bool = False) -> None:
         super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
         self.reverse_input_only = reverse_input_only
 
     def forward(self, x):
         if self.reverse_input_only:  # applied to a tensor that requires no grad: never differentiated
-            return self.b(torch.tanh(self.a(_GradientReversal.apply(x))))
-        return self.b(_GradientReversal.apply(torch.tanh(self.a(x))))
+            x = _GradientReversal.apply(x, 0.5)
+        h = _StraightThrough.apply(torch.tanh(self.a(x)))
+        h = torch.relu(self.b(h))
+        return self.c(_GradientReversal.apply(h, 0.5) if not self.reverse_input_only else h)
 
 
-def test_a_custom_autograd_function_on_grad_is_a_clear_error():
-    """torch.export keeps a Function's forward and drops its backward: the gradients of the
-    captured graph would be the forward's (here of the opposite sign). Refused, with the
-    Function's name and the line that applies it."""
-    from rkgb.errors import UnsupportedOperation
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_custom_autograd_functions_train_with_their_own_backward(fraction):
+    """torch.export keeps a Function's forward and drops its backward (the gradients would have
+    the opposite sign here): each Function is captured as one operation that applies it
+    (rkgb.functions), so that its own backward runs. Bitwise over 3 steps, within the budget, at
+    eager's peak and at the minimum (recomputing the Functions' forwards)."""
+    from exactness import check_training
 
-    with pytest.raises(UnsupportedOperation, match=r"_GradientReversal \(at .*test_misuse.py:\d+\).*drops its backward"):
-        _compiled(_Reversed())
+    torch.manual_seed(0)
+    report = check_training(_CustomGradients(), (torch.randn(6, 8),), fraction)
+    assert report is not None
+    code = report.compiled.code
+    assert "apply__GradientReversal" in code and "apply__StraightThrough" in code
 
 
 def test_a_custom_autograd_function_without_grad_trains_exactly():
-    """A Function applied to a tensor that requires no grad: its backward never runs."""
-    model = _Reversed(reverse_input_only=True)
+    """A Function applied to a tensor that requires no grad: traced as export does."""
+    model = _CustomGradients(reverse_input_only=True)
     reference = copy.deepcopy(model)
     compiled = _compiled(model)
     _same_training(compiled, compiled.model, reference, X)
+
+
+class _ScaledBy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factors):
+        ctx.factors = factors
+        return x * factors[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factors[1], None
+
+
+class _ListArgument(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _ScaledBy.apply(self.a(x), [2.0, 3.0])
+
+
+def test_a_custom_function_with_other_arguments_is_a_clear_error():
+    """A Function given an argument that is neither a tensor nor a constant (a list) cannot be
+    applied as one operation: refused with its name and line, never traced without its backward."""
+    from rkgb.errors import UnsupportedOperation
+
+    with pytest.raises(UnsupportedOperation, match=r"_ScaledBy \(at .*test_misuse.py:\d+\)"):
+        _compiled(_ListArgument())
 
 
 class _MovingAverage(nn.Module):

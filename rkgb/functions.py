@@ -1,0 +1,171 @@
+"""Custom ``torch.autograd.Function``s captured as one operation that applies the Function itself.
+
+torch.export traces a Function's ``forward`` into the graph and drops its ``backward``: the
+graph's gradients would be autograd's derivatives of the forward's operations, not the
+Function's own (a gradient reversal layer or a straight-through estimator would train with
+wrong gradients; BLOOM's tanh-GELU, whose backward is its own formula, with gradients 1 ulp off
+in every layer). While Rockmate captures a model (:class:`CustomFunctions`), each Function
+applied to tensors that require grad is recorded as one call of the operator
+``rockmate::function_call(int function, Tensor[] args) -> Tensor[]`` instead. The operator is
+CompositeImplicitAutograd: export keeps it as one node (as it keeps ``aten.linear``), and
+running it, in the executor's island or in the inspection, applies the Function itself, so
+that autograd records the Function's own backward node: the gradients are eager's, bitwise, and
+a recomputation runs the Function's forward again.
+
+Supported: positional arguments that are tensors or constants (numbers, booleans, strings,
+None, dtypes), results that are a tensor or a tuple of tensors, none a view of an argument nor
+an argument written in place. Others are refused with the Function's name and source line.
+What a Function keeps on ``ctx`` as attributes (not through ``save_for_backward``) is not seen
+by the memory model. Reentrant ``torch.utils.checkpoint`` is left to export (its backward is
+the forward's own derivative: the traced graph's gradients are its own).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CustomFunctions", "AppliedFunction", "applied_function", "function_identity"]
+
+# Function.apply before any capture patches it (the operator applies the Function through it)
+_ORIGINAL_APPLY = torch.autograd.function.Function.__dict__["apply"].__func__
+
+_CONSTANT_TYPES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+@dataclass
+class AppliedFunction:
+    """One ``apply`` call site's Function and its arguments: ``template`` gives each positional
+    argument as ``("tensor", index into the operator's tensors)`` or ``("constant", value)``;
+    ``where``: its source line; ``single``: the Function returns one tensor, not a tuple (known
+    once the operator has run, on the traced values)."""
+
+    function: type
+    template: tuple
+    where: str
+    single: bool | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.function.__module__}.{self.function.__qualname__}"
+
+
+_APPLIED: list[AppliedFunction] = []
+
+
+def applied_function(index: int) -> AppliedFunction:
+    """The call site that ``rockmate::function_call(index, ...)`` applies."""
+    return _APPLIED[index]
+
+
+def _index_of(function: type, template: tuple, where: str) -> int:
+    """The index of ``function`` applied with the constants of ``template``: one per pair in a
+    process, so that the layers that apply the same Function alike have equal graphs (one
+    class of identical blocks)."""
+    for index, applied in enumerate(_APPLIED):
+        if applied.function is function and applied.template == template:
+            return index
+    _APPLIED.append(AppliedFunction(function, template, where))
+    return len(_APPLIED) - 1
+
+
+def function_identity(index: int) -> str:
+    """What ``rockmate::function_call(index, ...)`` stands for, the same in every process (the
+    index is not): the Function's name, its constant arguments and a digest of its forward's and
+    backward's code, for the keys of the disk caches."""
+    applied = _APPLIED[index]
+    code = b"".join(getattr(applied.function, name).__code__.co_code for name in ("forward", "backward")
+                    if hasattr(getattr(applied.function, name), "__code__"))
+    return f"{applied.name}{applied.template!r}:{hashlib.sha256(code).hexdigest()[:16]}"
+
+
+class FunctionCallError(RuntimeError):
+    """A Function whose call the operator cannot stand for (raised inside export)."""
+
+
+def _function_call(function: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
+    applied = _APPLIED[function]
+    arguments = [args[value] if kind == "tensor" else value for kind, value in applied.template]
+    versions = [arg._version for arg in args]
+    result = _ORIGINAL_APPLY(applied.function, *arguments)
+    applied.single = isinstance(result, torch.Tensor)
+    results = [result] if applied.single else result
+    if not isinstance(results, (tuple, list)) or not all(isinstance(r, torch.Tensor) for r in results):
+        raise FunctionCallError(f"{applied.name}{applied.where} returns {type(result).__name__}, not a tensor "
+                                "or a tuple of tensors: Rockmate cannot apply it as one operation")
+    inputs = {id(arg) for arg in args}
+    if any(r._base is not None or id(r) in inputs for r in results) or \
+            any(arg._version != version for arg, version in zip(args, versions)):
+        raise FunctionCallError(f"{applied.name}{applied.where} returns a view of an argument or writes into "
+                                "one: Rockmate cannot apply it as one operation")
+    return list(results)
+
+
+_LIBRARY = torch.library.Library("rockmate", "FRAGMENT")
+_LIBRARY.define("function_call(int function, Tensor[] args) -> Tensor[]")
+_LIBRARY.impl("function_call", _function_call, "CompositeImplicitAutograd")
+
+
+def _same_backward() -> set:
+    from torch.utils.checkpoint import CheckpointFunction
+
+    return {CheckpointFunction}
+
+
+# Functions whose backward is autograd's derivative of their forward: traced as export does
+_SAME_BACKWARD = _same_backward()
+
+
+class CustomFunctions:
+    """While the model is captured (a context manager), each custom Function applied with grad
+    (grad mode on, a tensor argument that requires it) becomes a ``rockmate::function_call``;
+    ``refused`` lists those it cannot stand for (arguments other than tensors and constants),
+    which :func:`rkgb.capture.capture` reports."""
+
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+
+    def __enter__(self):
+        self._patched = torch.autograd.function.Function.__dict__["apply"]
+        refused = self.refused
+
+        def apply(cls, *args, **kwargs):
+            if cls in _SAME_BACKWARD or not torch.is_grad_enabled() or not any(
+                    isinstance(value, torch.Tensor) and value.requires_grad for value in (*args, *kwargs.values())):
+                return _ORIGINAL_APPLY(cls, *args, **kwargs)
+            where = _caller_of_apply()
+            template, tensors = [], []
+            for value in args:
+                if isinstance(value, torch.Tensor):
+                    template.append(("tensor", len(tensors)))
+                    tensors.append(value)
+                elif isinstance(value, _CONSTANT_TYPES):
+                    template.append(("constant", value))
+                else:
+                    template = None
+                    break
+            if template is None or kwargs:
+                refused.append(f"{cls.__module__}.{cls.__qualname__}{where} (an argument neither a tensor nor a "
+                               "constant)")
+                return _ORIGINAL_APPLY(cls, *args, **kwargs)
+            index = _index_of(cls, tuple(template), where)
+            results = torch.ops.rockmate.function_call(index, tensors)
+            return results[0] if _APPLIED[index].single else tuple(results)
+
+        torch.autograd.function.Function.apply = classmethod(apply)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.autograd.function.Function.apply = self._patched
+
+
+def _caller_of_apply() -> str:
+    """`` (at file:line)`` of the innermost frame outside torch that called ``Function.apply``."""
+    frame = sys._getframe(2)
+    while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+        frame = frame.f_back
+    return "" if frame is None else f" (at {frame.f_code.co_filename}:{frame.f_lineno})"
