@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .errors import CaptureError, UnsupportedOperation
-from .functions import CustomFunctions
+from .functions import CustomFunctions, FunctionCallError
 
 __all__ = ["CapturedGraph", "capture", "as_input_tuple", "device_of", "restore_dropout"]
 
@@ -688,6 +688,17 @@ def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringI
     return torch.export.export(model, args, strict=False)
 
 
+def _function_call_error(error: BaseException) -> FunctionCallError | None:
+    """The :class:`rkgb.functions.FunctionCallError` that ``error`` is or was raised from."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, FunctionCallError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 @contextlib.contextmanager
 def _quiet_logger(name: str):
     """Only errors from the logger ``name`` while the block runs."""
@@ -775,6 +786,9 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             traced = TracedProgram.of(exported.graph)
             exported = exported.run_decompositions({})
     except Exception as error:  # torch raises many types; we re-raise one with context
+        refused = _function_call_error(error)
+        if refused is not None:  # a custom Function that rkgb.functions cannot apply as one operation
+            raise UnsupportedOperation(f"{_model_name(model)}: {refused}") from error
         reason = str(error).strip().splitlines()
         summary = "\n".join(reason[:12])
         hint = ""

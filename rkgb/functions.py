@@ -14,9 +14,9 @@ a recomputation runs the Function's forward again.
 
 Supported: positional arguments that are tensors or constants (numbers, booleans, strings,
 None, dtypes), results that are a tensor or a tuple of tensors, none a view of an argument nor
-an argument written in place. Others are refused with the Function's name and source line.
-What a Function keeps on ``ctx`` as attributes (not through ``save_for_backward``) is not seen
-by the memory model. Reentrant ``torch.utils.checkpoint`` is left to export (its backward is
+an argument written in place, and tensors kept for the backward through ``save_for_backward``
+(the memory model sees those, through the saved-tensor hooks, not tensors kept as ``ctx``
+attributes). Others are refused with the Function's name and source line. Reentrant ``torch.utils.checkpoint`` is left to export (its backward is
 the forward's own derivative: the traced graph's gradients are its own).
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CustomFunctions", "AppliedFunction", "applied_function", "function_identity"]
+__all__ = ["CustomFunctions", "AppliedFunction", "FunctionCallError", "applied_function", "function_identity"]
 
 # Function.apply before any capture patches it (the operator applies the Function through it)
 _ORIGINAL_APPLY = torch.autograd.function.Function.__dict__["apply"].__func__
@@ -102,7 +102,25 @@ def _function_call(function: int, args: list[torch.Tensor]) -> list[torch.Tensor
             any(arg._version != version for arg, version in zip(args, versions)):
         raise FunctionCallError(f"{applied.name}{applied.where} returns a view of an argument or writes into "
                                 "one: Rockmate cannot apply it as one operation")
+    kept = _tensors_on_ctx(results)
+    if kept:
+        raise FunctionCallError(f"{applied.name}{applied.where} keeps tensors on ctx ({', '.join(kept)}) rather "
+                                "than through ctx.save_for_backward: the memory model cannot see (nor free) them; "
+                                "save them with ctx.save_for_backward")
     return list(results)
+
+
+def _tensors_on_ctx(results) -> list[str]:
+    """The attributes of the Function's ctx (its backward node) that hold tensors."""
+    node = next((r.grad_fn for r in results if r.grad_fn is not None), None)
+    if node is None or not hasattr(node, "__dict__"):
+        return []
+    held = []
+    for name, value in vars(node).items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, torch.Tensor) for v in values):
+            held.append(name)
+    return held
 
 
 _LIBRARY = torch.library.Library("rockmate", "FRAGMENT")

@@ -388,13 +388,38 @@ class _ListArgument(nn.Module):
         return _ScaledBy.apply(self.a(x), [2.0, 3.0])
 
 
-def test_a_custom_function_with_other_arguments_is_a_clear_error():
-    """A Function given an argument that is neither a tensor nor a constant (a list) cannot be
-    applied as one operation: refused with its name and line, never traced without its backward."""
+class _MaskOnContext(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mask = x > 0  # held by the backward node, not through save_for_backward
+        return x * ctx.mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.mask
+
+
+class _ContextTensor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _MaskOnContext.apply(self.a(x))
+
+
+@pytest.mark.parametrize("model, name, what", [
+    (_ListArgument, "_ScaledBy", "neither a tensor nor a constant"),
+    (_ContextTensor, "_MaskOnContext", r"keeps tensors on ctx \(mask\)"),
+])
+def test_custom_functions_that_cannot_be_one_operation_are_clear_errors(model, name, what):
+    """A Function given an argument that is neither a tensor nor a constant (a list), or keeping
+    a tensor on its ctx (which the memory model would not see), cannot be applied as one
+    operation: refused with its name and line, never traced without its backward."""
     from rkgb.errors import UnsupportedOperation
 
-    with pytest.raises(UnsupportedOperation, match=r"_ScaledBy \(at .*test_misuse.py:\d+\)"):
-        _compiled(_ListArgument())
+    with pytest.raises(UnsupportedOperation, match=rf"{name} \(at .*test_misuse.py:\d+\).*{what}"):
+        _compiled(model())
 
 
 class _MovingAverage(nn.Module):
