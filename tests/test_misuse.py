@@ -360,6 +360,46 @@ def test_custom_autograd_functions_train_with_their_own_backward(fraction):
     assert "apply__GradientReversal" in code and "apply__StraightThrough" in code
 
 
+class _NoisyStraightThrough(torch.autograd.Function):
+    """A Function that draws random numbers in its forward (a noise it saves for its backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        noise = torch.nn.functional.dropout(torch.ones_like(x), 0.5, True)
+        ctx.save_for_backward(noise)
+        return x * noise + 0.1
+
+    @staticmethod
+    def backward(ctx, grad):
+        (noise,) = ctx.saved_tensors
+        return grad * noise * 0.5
+
+
+class _NoisyLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(16, 64), nn.Linear(64, 4)
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x):
+        h = self.a(x)
+        for layer in self.layers:
+            h = h + layer(torch.tanh(_NoisyStraightThrough.apply(h)))
+        return self.c(h)
+
+
+def test_a_random_custom_function_recomputed_replays_its_draws():
+    """A Function's forward may draw random numbers: its operation counts as random, so that a
+    recomputation replays the generator's state. At the minimum budget the Functions run again
+    in the backward, and the training stays bitwise over 3 steps."""
+    from exactness import check_training
+
+    torch.manual_seed(0)
+    report = check_training(_NoisyLayers(), (torch.randn(64, 16),), 0.0)
+    assert report.at_minimum
+    assert report.compiled.code.count("apply__NoisyStraightThrough") > 2 * 6  # forwards, and again
+
+
 def test_a_custom_autograd_function_without_grad_trains_exactly():
     """A Function applied to a tensor that requires no grad: traced as export does."""
     model = _CustomGradients(reverse_input_only=True)
