@@ -69,7 +69,36 @@ OPS: dict[str, int] = {
     "counter": 1,  # a buffer incremented in the forward, then read
     "scale": 1,  # a constant factor: parameter-free
     "identity_view": 1,  # a view of its input
+    "straight_through": 1,  # a custom autograd.Function: rounding, its own (clipped) backward
+    "grad_reverse": 1,  # a custom autograd.Function with a constant: identity, negated backward
 }
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounding to quarters with a straight-through gradient, clipped where the input is beyond 1."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x.abs() <= 1)
+
+
+class _GradientReversal(torch.autograd.Function):
+    """Identity forward (a copy), backward negated and scaled by a constant."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
 
 
 @dataclass(frozen=True)
@@ -222,6 +251,10 @@ class ProgramModel(nn.Module):
                 out = a * 0.5
             elif op == "identity_view":
                 out = a.view(a.shape)
+            elif op == "straight_through":
+                out = _StraightThrough.apply(a)
+            elif op == "grad_reverse":
+                out = _GradientReversal.apply(a, 0.5)
             else:  # pragma: no cover - the grammar lists every op
                 raise ValueError(f"unknown op {op!r}")
             values.append(out)
