@@ -16,8 +16,10 @@ Supported: positional arguments that are tensors or constants (numbers, booleans
 None, dtypes), results that are a tensor or a tuple of tensors, none a view of an argument nor
 an argument written in place, and tensors kept for the backward through ``save_for_backward``
 (the memory model sees those, through the saved-tensor hooks, not tensors kept as ``ctx``
-attributes). Others are refused with the Function's name and source line. Reentrant ``torch.utils.checkpoint`` is left to export (its backward is
-the forward's own derivative: the traced graph's gradients are its own).
+attributes). Others are refused with the Function's name and source line. The operation counts
+as random (``rkgb.simplify._is_random``): a recomputation replays the generator's state, in case
+the Function's forward draws. Reentrant ``torch.utils.checkpoint`` is left to export: its
+backward is its forward's own derivative, so the traced graph's gradients are its own.
 """
 
 from __future__ import annotations
