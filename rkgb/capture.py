@@ -688,6 +688,28 @@ def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringI
     return torch.export.export(model, args, strict=False)
 
 
+def _refuse_sparse_gradients(graph: torch.fx.Graph) -> None:
+    """Raise :class:`UnsupportedOperation` for an embedding whose weight requires grad and gets a
+    sparse gradient (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): its size
+    depends on the indices' values, which no plan can know, and the executor's gradient sums are
+    dense."""
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target._overloadpacket.__name__ not in ("embedding", "_embedding_bag", "embedding_bag"):
+            continue
+        schema = node.target._schema
+        position = next(i for i, arg in enumerate(schema.arguments) if arg.name == "sparse")
+        sparse = node.args[position] if len(node.args) > position else node.kwargs.get("sparse", False)
+        weight = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if sparse is True and getattr(weight, "requires_grad", False):
+            from .errors import describe_fx_node
+
+            raise UnsupportedOperation(
+                f"{describe_fx_node(node)} makes a sparse gradient (sparse=True): its size depends on the indices' "
+                "values, which a plan cannot know; build the embedding with sparse=False")
+
+
 def _function_call_error(error: BaseException) -> FunctionCallError | None:
     """The :class:`rkgb.functions.FunctionCallError` that ``error`` is or was raised from."""
     seen = set()
@@ -816,6 +838,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "Function's forward and drops its backward, so Rockmate applies the Function itself as one operation "
             "(rkgb.functions), which takes tensors and constants as positional arguments: pass the others "
             "as constants, or replace the Function by plain tensor operations.")
+    _refuse_sparse_gradients(exported.graph)
     place_regenerated_views(exported.graph, traced)
     renamed: dict[str, str] = {}
     restore_dropout(exported.graph, device_of(model, args), renamed)

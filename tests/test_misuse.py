@@ -462,6 +462,37 @@ def test_custom_functions_that_cannot_be_one_operation_are_clear_errors(model, n
         _compiled(model())
 
 
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(50, 8, sparse=True)
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.lin(torch.tanh(self.table(ids)))
+
+
+IDS = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(2))
+
+
+def test_a_sparse_embedding_gradient_is_a_clear_error():
+    """``nn.Embedding(sparse=True)``: a gradient whose size depends on the indices' values (it
+    crashed inside the inspection: "Cannot access storage of SparseTensorImpl")."""
+    from rkgb.errors import UnsupportedOperation
+
+    with pytest.raises(UnsupportedOperation, match=r"aten.embedding \(in module 'table'.*sparse=False"):
+        _compiled(_SparseEmbedding(), IDS)
+
+
+def test_a_frozen_sparse_embedding_trains_exactly():
+    """The same embedding frozen: no gradient, nothing sparse; bitwise."""
+    model = _SparseEmbedding()
+    model.table.weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    compiled = _compiled(model, IDS)
+    _same_training(compiled, compiled.model, reference, IDS)
+
+
 class _MovingAverage(nn.Module):
     """A buffer updated in place in the forward and read after the update (an EMA)."""
 
