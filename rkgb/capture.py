@@ -688,6 +688,52 @@ def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringI
     return torch.export.export(model, args, strict=False)
 
 
+def _no_grad_regions(graph: torch.fx.Graph) -> set[str]:
+    """The names of the export's (pre-dispatch) nodes that run a region of the forward without
+    grad (``torch.no_grad()``, ``@torch.no_grad`` methods: a ``wrap_with_set_grad_enabled(False,
+    ...)`` higher-order op), whose results eager computes without a graph."""
+    names = set()
+    for node in graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "wrap_with_set_grad_enabled" \
+                and node.args and node.args[0] is False:
+            names.add(node.name)
+    return names
+
+
+def detach_no_grad_results(graph: torch.fx.Graph, without_grad: set[str]) -> int:
+    """Detach each result of a region that eager runs without grad where a node outside the
+    region reads it.
+
+    ``run_decompositions`` inlines the region (its nodes keep it in their ``from_node``) and
+    loses its grad mode: the functional graph would differentiate through it (our gradient
+    needs follow the graph's edges from the parameters). A spectral norm's
+    power iteration (``torch.nn.utils.parametrizations.spectral_norm``, ``@torch.no_grad``)
+    computes ``u`` and ``v`` from the weight: differentiated, they added terms to the weight's
+    gradient (0.3% of it). A ``detach`` on each result read outside the region cuts them, as
+    eager's grad mode does. Returns how many results were detached."""
+    if not without_grad:
+        return 0
+    inside = {node.name for node in graph.nodes if _origins(node) & without_grad}
+    detached = 0
+    for node in list(graph.nodes):
+        if node.name not in inside or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        # (not the graph's output: its specs name the node; a buffer's new value needs no cut)
+        outside = [user for user in node.users if user.name not in inside and user.op != "output"]
+        if not outside:
+            continue
+        with graph.inserting_after(node):
+            detach = graph.call_function(torch.ops.aten.detach.default, (node,))
+        detach.meta = {key: value for key, value in node.meta.items() if key != "from_node"}
+        detach.meta["val"] = node.meta["val"].detach()
+        for user in outside:
+            user.replace_input_with(node, detach)
+        detached += 1
+    if detached:
+        graph.lint()
+    return detached
+
+
 def _refuse_sparse_gradients(graph: torch.fx.Graph) -> None:
     """Raise :class:`UnsupportedOperation` for an embedding whose weight requires grad and gets a
     sparse gradient (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``): its size
@@ -804,6 +850,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             warnings.simplefilter("ignore", FutureWarning)
             exported = _export_along_eager_paths(model, args, printed)
             inplace = user_inplace_ops(exported.graph)
+            without_grad = _no_grad_regions(exported.graph)
             targets = {node.name: node.target for node in exported.graph.nodes}
             traced = TracedProgram.of(exported.graph)
             exported = exported.run_decompositions({})
@@ -839,6 +886,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "(rkgb.functions), which takes tensors and constants as positional arguments: pass the others "
             "as constants, or replace the Function by plain tensor operations.")
     _refuse_sparse_gradients(exported.graph)
+    detach_no_grad_results(exported.graph, without_grad)
     place_regenerated_views(exported.graph, traced)
     renamed: dict[str, str] = {}
     restore_dropout(exported.graph, device_of(model, args), renamed)
