@@ -688,6 +688,36 @@ def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringI
     return torch.export.export(model, args, strict=False)
 
 
+class _TensorHooks:
+    """Records the gradient hooks that the forward registers on tensors while Rockmate captures
+    it (``h.register_hook(fn)``: a gradient scaled, clipped or logged on its way back): export
+    keeps no trace of them, so the graph's gradients would skip them. :func:`capture` refuses
+    such a model with the line that registers the hook."""
+
+    def __init__(self) -> None:
+        self.registered: list[str] = []
+
+    def __enter__(self):
+        self._original = torch.Tensor.register_hook
+        original, registered = self._original, self.registered
+
+        def register_hook(tensor, hook):
+            caller = sys._getframe(1).f_code.co_filename
+            # the user's call: not torch's own (export registers some), nor the same call again
+            # through a torch-function mode's handler (ours, in this file)
+            if f"{os.sep}torch{os.sep}" not in caller and os.path.dirname(caller) != os.path.dirname(__file__):
+                where = f"{caller}:{sys._getframe(1).f_lineno}"
+                if where not in registered:
+                    registered.append(where)
+            return original(tensor, hook)
+
+        torch.Tensor.register_hook = register_hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.Tensor.register_hook = self._original
+
+
 def _no_grad_regions(graph: torch.fx.Graph) -> set[str]:
     """The names of the export's (pre-dispatch) nodes that run a region of the forward without
     grad (``torch.no_grad()``, ``@torch.no_grad`` methods: a ``wrap_with_set_grad_enabled(False,
@@ -842,11 +872,12 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     printed = io.StringIO()  # what the forward prints while it is traced (see below)
     draws = _DecidedDraws()
     functions = CustomFunctions()
+    hooks = _TensorHooks()
     try:
         # random ops whose results are unused still advance the generator in eager: the
         # export's dead-code elimination keeps them only when told that randomness is an effect
         with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
-                contextlib.redirect_stdout(printed), draws, functions:
+                contextlib.redirect_stdout(printed), draws, functions, hooks:
             warnings.simplefilter("ignore", FutureWarning)
             exported = _export_along_eager_paths(model, args, printed)
             inplace = user_inplace_ops(exported.graph)
@@ -878,6 +909,12 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "forward (print, logging, counters in Python variables) run once, when Rockmate captures the "
             "model, not at each call of the compiled module", UserWarning, stacklevel=_stacklevel_of_caller())
 
+    if hooks.registered:
+        raise UnsupportedOperation(
+            f"{_model_name(model)}'s forward registers gradient hooks on tensors (at {'; '.join(hooks.registered)}): "
+            "torch.export keeps no trace of them, so the captured graph's gradients would skip them. Apply the "
+            "hook's effect in the forward instead (a custom autograd.Function, which Rockmate applies as one "
+            "operation, can scale or clip a gradient), or register hooks on the parameters, outside the forward.")
     if functions.refused:
         raise UnsupportedOperation(
             f"{_model_name(model)}'s forward applies custom torch.autograd.Function(s) to tensors that require "

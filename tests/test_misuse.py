@@ -529,6 +529,26 @@ def test_regions_without_grad_give_no_gradient(make, fraction):
     assert check_training(make().train(), (torch.randn(6, 8),), fraction) is not None
 
 
+class _HookInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h.register_hook(lambda grad: grad * 0.5)  # halves the gradient on its way back
+        return self.b(h)
+
+
+def test_a_gradient_hook_registered_in_the_forward_is_a_clear_error():
+    """export keeps no trace of a tensor hook the forward registers: the gradients of ``a`` would
+    be twice eager's. Refused with the line that registers it."""
+    from rkgb.errors import UnsupportedOperation
+
+    with pytest.raises(UnsupportedOperation, match=r"registers gradient hooks on tensors \(at .*test_misuse.py:\d+\)"):
+        _compiled(_HookInForward())
+
+
 class _MovingAverage(nn.Module):
     """A buffer updated in place in the forward and read after the update (an EMA)."""
 
