@@ -427,7 +427,7 @@ def _inspect_blocks(graph, chain, model, sample, device, needs, clock, represent
                             graph, block, env, model, clock, device, representatives[block.index], layouts, needs, input_sinks, queue,
                             strides, received)
                     remaining = [b for b in chain.blocks[block.index + 1 :] if b.index in representatives]
-                    if all(_floating_input(graph, b) for b in remaining):
+                    if all(_floating_input(graph, b) and not _reads_values(graph, b) for b in remaining):
                         # the rest only needs inputs of the right shape: skip the forward of
                         # the repeated blocks, so that inspection does not grow with depth
                         for later in remaining:
@@ -461,6 +461,31 @@ def _globals_read(graph: SimplifiedGraph, chain: Chain, representatives) -> set[
         if line.name in read:
             read.update(arg.name for arg in line.all_input_nodes)
     return read
+
+
+# ops that fail on some values of their floating inputs (a probability outside [0, 1])
+_VALUE_DOMAIN_OPS = {torch.ops.aten.multinomial.default, torch.ops.aten.bernoulli.default,
+                     torch.ops.aten.binomial.default, torch.ops.aten.poisson.default,
+                     torch.ops.aten._standard_gamma.default, torch.ops.aten._sample_dirichlet.default}
+
+
+def _reads_values(graph: SimplifiedGraph, block: Block) -> bool:
+    """Whether the block's work depends on its input's values, not only on its shape: an op
+    that fails outside a domain (``multinomial`` on a synthesized "probability"), or a floating
+    value turned into integers (indices that a synthesized input would put out of range).
+    Such a block is inspected on its real input (the forward runs up to it)."""
+    for name in block.nodes:
+        for line in graph.node(name).lines:
+            if line.target in _VALUE_DOMAIN_OPS:
+                return True
+            value = line.meta.get("val")
+            if isinstance(value, torch.Tensor) and not value.dtype.is_floating_point and value.dtype is not torch.bool \
+                    and any(isinstance(arg.meta.get("val"), torch.Tensor) and arg.meta["val"].dtype.is_floating_point
+                            for arg in line.all_input_nodes) \
+                    and line.target in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype,
+                                        torch.ops.aten.to.dtype_layout):
+                return True
+    return False
 
 
 def _floating_input(graph: SimplifiedGraph, block: Block) -> bool:
