@@ -730,7 +730,7 @@ def _no_grad_regions(graph: torch.fx.Graph) -> set[str]:
     return names
 
 
-def detach_no_grad_results(graph: torch.fx.Graph, without_grad: set[str]) -> int:
+def detach_no_grad_results(graph: torch.fx.Graph, without_grad: set[str], output_specs=()) -> int:
     """Detach each result of a region that eager runs without grad where a node outside the
     region reads it.
 
@@ -748,9 +748,12 @@ def detach_no_grad_results(graph: torch.fx.Graph, without_grad: set[str]) -> int
     for node in list(graph.nodes):
         if node.name not in inside or not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        # (not the graph's output: its specs name the node; a buffer's new value needs no cut)
+        # (the graph's output only where it returns the result to the user: a buffer's new value
+        # needs no cut; ``output_specs`` name the node, renamed below)
+        returned = [spec for spec in output_specs
+                    if spec.kind is OutputKind.USER_OUTPUT and getattr(spec.arg, "name", None) == node.name]
         outside = [user for user in node.users if user.name not in inside and user.op != "output"]
-        if not outside:
+        if not outside and not returned:
             continue
         with graph.inserting_after(node):
             detach = graph.call_function(torch.ops.aten.detach.default, (node,))
@@ -758,6 +761,14 @@ def detach_no_grad_results(graph: torch.fx.Graph, without_grad: set[str]) -> int
         detach.meta["val"] = node.meta["val"].detach()
         for user in outside:
             user.replace_input_with(node, detach)
+        if returned:
+            output = next(user for user in node.users if user.op == "output")
+            values = list(output.args[0])
+            for i, spec in enumerate(output_specs):
+                if spec in returned:
+                    values[i] = detach
+                    spec.arg.name = detach.name
+            output.args = (tuple(values),)
         detached += 1
     if detached:
         graph.lint()
@@ -923,7 +934,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "(rkgb.functions), which takes tensors and constants as positional arguments: pass the others "
             "as constants, or replace the Function by plain tensor operations.")
     _refuse_sparse_gradients(exported.graph)
-    detach_no_grad_results(exported.graph, without_grad)
+    detach_no_grad_results(exported.graph, without_grad, exported.graph_signature.output_specs)
     place_regenerated_views(exported.graph, traced)
     renamed: dict[str, str] = {}
     restore_dropout(exported.graph, device_of(model, args), renamed)

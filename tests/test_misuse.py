@@ -574,6 +574,34 @@ def test_sampling_from_the_models_own_probabilities(fraction):
     assert check_training(_SampledTokens().train(), (torch.randn(16, 8),), fraction) is not None
 
 
+class _ReturnsAMetric(nn.Module):
+    """A loss and a metric computed under ``torch.no_grad()``, both returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        logits = self.b(torch.tanh(self.a(x)))
+        with torch.no_grad():
+            confidence = logits.softmax(-1).max(-1).values.mean()
+        return logits.square().mean(), confidence
+
+
+def test_a_result_computed_without_grad_and_returned_requires_no_grad():
+    """The metric requires no grad, as eager's; a loss that adds it gets eager's gradients."""
+    model = _ReturnsAMetric()
+    reference = copy.deepcopy(model)
+    compiled = _compiled(model)
+    for step in range(2):
+        (loss, metric), (eager_loss, eager_metric) = compiled(X), reference(X)
+        assert not metric.requires_grad and torch.equal(metric, eager_metric)
+        (loss + metric).backward()
+        (eager_loss + eager_metric).backward()
+        for (path, a), b in zip(reference.named_parameters(), compiled.model.parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}: {path}.grad"
+
+
 class _MovingAverage(nn.Module):
     """A buffer updated in place in the forward and read after the update (an EMA)."""
 
