@@ -18,8 +18,8 @@ an argument written in place, and tensors kept for the backward through ``save_f
 (the memory model sees those, through the saved-tensor hooks, not tensors kept as ``ctx``
 attributes). Others are refused with the Function's name and source line. The operation counts
 as random (``rkgb.simplify._is_random``): a recomputation replays the generator's state, in case
-the Function's forward draws. Reentrant ``torch.utils.checkpoint`` is left to export: its
-backward is its forward's own derivative, so the traced graph's gradients are its own.
+the Function's forward draws. Reentrant ``torch.utils.checkpoint`` calls its function directly,
+with grad: its backward is that function's own derivative.
 """
 
 from __future__ import annotations
@@ -130,14 +130,18 @@ _LIBRARY.define("function_call(int function, Tensor[] args) -> Tensor[]")
 _LIBRARY.impl("function_call", _function_call, "CompositeImplicitAutograd")
 
 
-def _same_backward() -> set:
+def _checkpoint_function() -> type:
     from torch.utils.checkpoint import CheckpointFunction
 
-    return {CheckpointFunction}
+    return CheckpointFunction
 
 
-# Functions whose backward is autograd's derivative of their forward: traced as export does
-_SAME_BACKWARD = _same_backward()
+# reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``,
+# transformers' gradient checkpointing): its forward runs the function without grad and its
+# backward runs it again with grad and the same random state, so its gradients are the
+# function's own derivative; while capturing, the function is called directly, with grad (its
+# forward's no-grad region would otherwise be detached: rkgb.capture.detach_no_grad_results)
+_CHECKPOINT = _checkpoint_function()
 
 
 class CustomFunctions:
@@ -154,7 +158,10 @@ class CustomFunctions:
         refused = self.refused
 
         def apply(cls, *args, **kwargs):
-            if cls in _SAME_BACKWARD or not torch.is_grad_enabled() or not any(
+            if cls is _CHECKPOINT and torch.is_grad_enabled() and not kwargs:
+                function, _, *inputs = args  # (run_function, preserve_rng_state, *args)
+                return function(*inputs)
+            if not torch.is_grad_enabled() or not any(
                     isinstance(value, torch.Tensor) and value.requires_grad for value in (*args, *kwargs.values())):
                 return _ORIGINAL_APPLY(cls, *args, **kwargs)
             where = _caller_of_apply()
