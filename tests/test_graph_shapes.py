@@ -420,3 +420,23 @@ def test_a_tensor_returned_twice_is_one_object_whose_gradients_the_engine_sums()
     none = Rockmate(InputThrice(), x, 10**12, solver="none", cost_model="flops")
     assert none.plan.predicted_peak <= eager
     check_training(InputThrice(), (x,), 1.0, "none")
+
+
+class _FourierMixing(nn.Module):
+    """FNet's token mixing: the real part of a 2-D FFT of the activations, added back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = self.norm(h + torch.fft.fft2(h).real)
+        return self.b(torch.relu(h))
+
+
+@pytest.mark.xfail(strict=True, reason="open (2026-11-24): the backward of fft2 measures one real-sized tensor "
+                   "(3072 B) above the plan's prediction, 9.5% over the budget at the minimum; gradients bitwise")
+def test_fourier_mixing_within_budget():
+    torch.manual_seed(0)
+    check_training(_FourierMixing().train(), (torch.randn(4, 12, 16),), 0.0)
