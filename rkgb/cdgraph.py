@@ -374,6 +374,19 @@ class CDGraph:
                     )
 
 
+def _larger(first: DataNode, second: DataNode) -> DataNode:
+    """One data node of the whole graph from its two blocks' figures (a block's output, the
+    next block's input): the larger of each. A gradient measured by the block that makes it
+    may hold more than the tensor the next block reads (the real part of a complex FFT's
+    gradient holds the whole complex storage: 6144 B for a 3072-B activation), which the
+    block that reads it cannot know."""
+    if first.kind is not DataKind.GRAD or first == second:
+        return first
+    parts = tuple(max(a, b) for a, b in zip(first.parts, second.parts)) if len(first.parts) == len(second.parts) \
+        else first.parts
+    return dataclasses.replace(first, size_bytes=max(first.size_bytes, second.size_bytes), parts=parts)
+
+
 def _with_boundary_aliases(node: ComputeNode) -> ComputeNode:
     """``node`` with its ``boundary_aliases`` among its ``aliases``."""
     if not node.boundary_aliases:
@@ -524,7 +537,7 @@ class ModelChain:
             backwards = ([_with_boundary_aliases(c) for c in g.backward_nodes()] if index else g.backward_nodes()) \
                 + backwards
             for d in g.data_nodes:
-                data.setdefault(d.name, d)
+                data[d.name] = _larger(data[d.name], d) if d.name in data else d
         last = graphs[-1]
         output_data = list(self.early_outputs) + list(last.output_data)
         early_grads = [data_name(data[d].target, DataKind.GRAD) for d in self.early_outputs]

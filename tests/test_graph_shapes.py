@@ -435,8 +435,11 @@ class _FourierMixing(nn.Module):
         return self.b(torch.relu(h))
 
 
-@pytest.mark.xfail(strict=True, reason="open (2026-11-24): the backward of fft2 measures one real-sized tensor "
-                   "(3072 B) above the plan's prediction, 9.5% over the budget at the minimum; gradients bitwise")
-def test_fourier_mixing_within_budget():
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_fourier_mixing_within_budget(fraction):
+    """The FFT's backward gives the block input a gradient that is the real part of a complex
+    tensor: it holds the whole complex storage (6144 B for a 3072-B activation). The whole
+    model's graph took the size the reading block declares (3072 B): measured 9.5% over the
+    budget at the minimum. Now the larger of the two blocks' figures (rkgb.cdgraph._larger)."""
     torch.manual_seed(0)
-    check_training(_FourierMixing().train(), (torch.randn(4, 12, 16),), 0.0)
+    check_training(_FourierMixing().train(), (torch.randn(4, 12, 16),), fraction)
