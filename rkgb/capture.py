@@ -43,7 +43,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode
 from torch.export.graph_signature import InputKind, OutputKind
 
-from .errors import CaptureError, UnsupportedOperation
+from .errors import CaptureError, UnsupportedOperation, describe_fx_node
 from .functions import CustomFunctions, FunctionCallError
 
 __all__ = ["CapturedGraph", "capture", "as_input_tuple", "device_of", "restore_dropout"]
@@ -790,8 +790,6 @@ def _refuse_sparse_gradients(graph: torch.fx.Graph) -> None:
         sparse = node.args[position] if len(node.args) > position else node.kwargs.get("sparse", False)
         weight = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
         if sparse is True and getattr(weight, "requires_grad", False):
-            from .errors import describe_fx_node
-
             raise UnsupportedOperation(
                 f"{describe_fx_node(node)} makes a sparse gradient (sparse=True): its size depends on the indices' "
                 "values, which a plan cannot know; build the embedding with sparse=False")

@@ -17,8 +17,8 @@ None, dtypes), results that are a tensor or a tuple of tensors, none a view of a
 an argument written in place, and tensors kept for the backward through ``save_for_backward``
 (the memory model sees those, through the saved-tensor hooks, not tensors kept as ``ctx``
 attributes). Others are refused with the Function's name and source line. The operation counts
-as random (``rkgb.simplify._is_random``): a recomputation replays the generator's state, in case
-the Function's forward draws. Reentrant ``torch.utils.checkpoint`` calls its function directly,
+as random (its operator's ``nondeterministic_seeded`` tag): a recomputation replays the
+generator's state, in case the Function's forward draws. Reentrant ``torch.utils.checkpoint`` calls its function directly,
 with grad: its backward is that function's own derivative.
 """
 
@@ -126,7 +126,9 @@ def _tensors_on_ctx(results) -> list[str]:
 
 
 _LIBRARY = torch.library.Library("rockmate", "FRAGMENT")
-_LIBRARY.define("function_call(int function, Tensor[] args) -> Tensor[]")
+# random: a Function's forward may draw, so that a recomputation replays the generator's state
+# (rkgb.simplify reads the tag, as a dropout's)
+_LIBRARY.define("function_call(int function, Tensor[] args) -> Tensor[]", tags=(torch.Tag.nondeterministic_seeded,))
 _LIBRARY.impl("function_call", _function_call, "CompositeImplicitAutograd")
 
 

@@ -370,11 +370,8 @@ def _reads_only_statistics_of(line: torch.fx.Node) -> bool:
 
 
 def _is_random(node: torch.fx.Node) -> bool:
-    """Whether ``node`` draws random numbers: its op's tag says so, or it applies a custom
-    autograd.Function (rkgb.functions), whose forward may (its recomputation replays the
-    generator's state, as a dropout's does)."""
-    if node.target is torch.ops.rockmate.function_call.default:
-        return True
+    """Whether ``node`` draws random numbers: its op's tag says so (a custom autograd.Function's
+    operator too, rkgb.functions: its forward may)."""
     tags = getattr(node.target, "tags", ())
     return _RANDOM_TAG in tags
 

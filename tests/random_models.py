@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Instruction", "Program", "program", "ProgramModel", "OPS", "programs", "make", "check_program", "CheckResult"]
+__all__ = ["Instruction", "Program", "program", "ProgramModel", "OPS", "programs", "make", "check_program", "CheckResult",
+           "StraightThrough", "GradientReversal"]
 
 # op name -> number of value inputs
 OPS: dict[str, int] = {
@@ -74,7 +75,7 @@ OPS: dict[str, int] = {
 }
 
 
-class _StraightThrough(torch.autograd.Function):
+class StraightThrough(torch.autograd.Function):
     """Rounding to quarters with a straight-through gradient, clipped where the input is beyond 1."""
 
     @staticmethod
@@ -88,7 +89,7 @@ class _StraightThrough(torch.autograd.Function):
         return grad * (x.abs() <= 1)
 
 
-class _GradientReversal(torch.autograd.Function):
+class GradientReversal(torch.autograd.Function):
     """Identity forward (a copy), backward negated and scaled by a constant."""
 
     @staticmethod
@@ -252,9 +253,9 @@ class ProgramModel(nn.Module):
             elif op == "identity_view":
                 out = a.view(a.shape)
             elif op == "straight_through":
-                out = _StraightThrough.apply(a)
+                out = StraightThrough.apply(a)
             elif op == "grad_reverse":
-                out = _GradientReversal.apply(a, 0.5)
+                out = GradientReversal.apply(a, 0.5)
             else:  # pragma: no cover - the grammar lists every op
                 raise ValueError(f"unknown op {op!r}")
             values.append(out)
