@@ -847,6 +847,40 @@ def _check_no_module_hooks(model: nn.Module) -> None:
                 )
 
 
+def _instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled):
+    """``aten.instance_norm`` as its C++ composite (ATen's Normalization.cpp) runs it: a batch
+    norm over ``(1, batch * channels, ...)`` with the statistics repeated per sample, then the
+    running statistics written back as the mean over the batch. Written out so that export
+    functionalizes the write-back (see :func:`_hidden_mutations`); the same operations as
+    eager's, so the same bits."""
+    b, c = input.shape[0], input.shape[1]
+
+    def repeated(tensor):
+        return None if tensor is None else tensor.repeat(b)
+
+    running_mean_, running_var_ = repeated(running_mean), repeated(running_var)
+    out = torch.batch_norm(input.contiguous().view([1, b * c, *input.shape[2:]]), repeated(weight), repeated(bias),
+                           running_mean_, running_var_, use_input_stats, momentum, eps, cudnn_enabled)
+    if running_mean is not None:
+        running_mean.copy_(running_mean_.view(b, c).mean(0))
+    if running_var is not None:
+        running_var.copy_(running_var_.view(b, c).mean(0))
+    return out.view(input.shape)
+
+
+def _hidden_mutations(graph: torch.fx.Graph) -> dict:
+    """The decompositions for ``run_decompositions`` of the operations that write into their
+    arguments without saying so in their schema, which export therefore keeps as they are:
+    ``aten.instance_norm`` with running statistics (``InstanceNorm*d(track_running_stats=True)``)
+    updates them in place inside its kernel, so the graph showed no buffer mutation, and each
+    inspection run or recomputation of the node updated the user's statistics once more."""
+    table = {}
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.instance_norm.default and node.args[3] is not None:
+            table[node.target] = _instance_norm
+    return table
+
+
 def _model_name(model: nn.Module) -> str:
     """The class name of the user's model (through an adapter that names it ``wrapped``)."""
     return type(getattr(model, "wrapped", model)).__name__
@@ -893,7 +927,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             without_grad = _no_grad_regions(exported.graph)
             targets = {node.name: node.target for node in exported.graph.nodes}
             traced = TracedProgram.of(exported.graph)
-            exported = exported.run_decompositions({})
+            exported = exported.run_decompositions(_hidden_mutations(exported.graph))
     except Exception as error:  # torch raises many types; we re-raise one with context
         refused = _function_call_error(error)
         if refused is not None:  # a custom Function that rkgb.functions cannot apply as one operation
