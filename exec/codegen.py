@@ -193,6 +193,7 @@ class _Generator:
             if graph.owner.get(view.name) in self.snapshots:
                 self.snapshots[view.name] = f"s.snapshot_{view.name}"
         self.split_aliases: list[str] = []  # aliases of the island being written
+        self.read_by_one = graph.results_read_by_one_node()  # (their readers need no alias per read)
         # views of inputs that require grad made in nodes' preludes: each a group of gradient
         # contributions, joining the input's gradient where eager runs the view's backward
         # (rkgb.gradsink.GradientQueue.alias, _deliver_view_groups)
@@ -318,7 +319,8 @@ class _Generator:
                 counts[arg.name] = counts.get(arg.name, 0) + 1
         own = {line.name for line in node.lines}
         split = {name for name, count in counts.items()
-                 if count > 1 and name in self.sink_names and name not in self.local_values and name not in own}
+                 if count > 1 and name in self.sink_names and name not in self.local_values and name not in own
+                 and self.read_by_one.get(name) != node.name}
         grouped = {line.name for line in node.prelude if line.name in self.view_groups}
         # a grouped view that the island reads more than once: each read makes its own view of
         # its own alias, so that the group sums each contribution in turn, as eager's view

@@ -502,6 +502,16 @@ class ModelChain:
         state, or contributions waiting to join a gradient and the sum they make; nothing for a
         buffer added into in place, such as a shared parameter's sum)."""
         sizes = {entry.key: entry.bytes for entries in self.first_run_bytes.values() for entry in entries}
+        # a key freed ``until`` a backward node (a view group's sum) lives only while the
+        # backward goes from its first reader's block down to that node's block: keys whose
+        # spans of blocks do not meet are never alive together (each block's backward runs
+        # once, the last block's first), so the reserve counts the most that one block's span
+        # holds (nn.MultiheadAttention's view groups: one layer's, not every layer's)
+        within: dict[int, int] = {}
+        for key, (low, high) in self._backward_spans().items():
+            size = sizes.pop(key)
+            for index in range(low, high + 1):
+                within[index] = within.get(index, 0) + size
         extra = 0
         for entries in self.first_run_bytes.values():
             for entry in entries:
@@ -510,7 +520,26 @@ class ModelChain:
                     extra = max(extra, (count + 1) * entry.bytes)
                 elif entry.only_if_rerun or entry.until_loss:
                     extra = max(extra, entry.bytes)
-        return sum(sizes.values()) + extra
+        return sum(sizes.values()) + max(within.values(), default=0) + extra
+
+    def _backward_spans(self) -> dict[str, tuple[int, int]]:
+        """Keys of ``first_run_bytes`` made by backward nodes and freed ``until`` one ->
+        (the block of that node, the highest block of the nodes that make it)."""
+        block_of: dict[str, int] = {}
+        for index in range(len(self.blocks)):
+            for compute in self.block_graph(index).compute_nodes:
+                if compute.kind is ComputeKind.BACKWARD:
+                    block_of[compute.name] = index
+        spans: dict[str, tuple[int, int]] = {}
+        refused: set[str] = set()
+        for compute, entries in self.first_run_bytes.items():
+            for entry in entries:
+                if entry.until is None or compute not in block_of or entry.until not in block_of:
+                    refused.add(entry.key)
+                    continue
+                low, high = spans.get(entry.key, (block_of[entry.until], block_of[compute]))
+                spans[entry.key] = (min(low, block_of[entry.until]), max(high, block_of[compute]))
+        return {key: span for key, span in spans.items() if key not in refused}
 
     def block_graph(self, index: int) -> CDGraph:
         """The CD-graph of block ``index`` with its real node names."""

@@ -855,6 +855,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
     sink_of: dict[str, GradSink] = dict(input_sinks)  # fx name of a leaf -> its sink
     aliases: dict[str, list[torch.Tensor]] = {}  # island -> its per-read aliases (GradientQueue)
     position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
+    read_by_one = graph.results_read_by_one_node()
     state = _GradState()
 
     def make_leaves(node: SimplifiedNode, names: list[str], values: list[torch.Tensor]) -> None:
@@ -921,7 +922,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
 
             def forward_with_grad():
                 with saved.island(name), torch.set_grad_enabled(requires_grad):
-                    aliases[name] = run_island_lines(lines, env, sink_of, queue, position, targets)
+                    aliases[name] = run_island_lines(lines, env, sink_of, queue, position, targets,
+                                                     {fx for fx, reader in read_by_one.items() if reader == name})
                 values = [env[n] for n in exported]
                 saved.finish_island(name, values)
                 result["exported"] = values
@@ -1127,17 +1129,21 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
 
 
 def run_island_lines(lines, env, sinks: dict[str, GradSink], queue: GradientQueue, position: dict[str, int],
-                     targets: dict | None = None) -> list[torch.Tensor]:
+                     targets: dict | None = None, read_alone: frozenset[str] | set[str] = frozenset()
+                     ) -> list[torch.Tensor]:
     """Run an island's lines as the executor does (:func:`exec.codegen`): each read of a leaf
     that the island reads more than once goes through its own alias
-    (:class:`rkgb.gradsink.GradientQueue`); ``targets``: functions called instead of some
-    lines' own (:func:`rkgb.interpret.inspected_targets`). Returns the aliases made."""
+    (:class:`rkgb.gradsink.GradientQueue`), but for the leaves in ``read_alone``, which no other
+    island reads (``SimplifiedGraph.results_read_by_one_node``); ``targets``: functions called
+    instead of some lines' own (:func:`rkgb.interpret.inspected_targets`). Returns the aliases
+    made."""
     reads: dict[str, int] = {}
     for line in lines:
         for arg in tensor_args(line):
             reads[arg.name] = reads.get(arg.name, 0) + 1
     own = {line.name for line in lines}
-    split = {name for name, count in reads.items() if count > 1 and name in sinks and name not in own}
+    split = {name for name, count in reads.items()
+             if count > 1 and name in sinks and name not in own and name not in read_alone}
     made: list[torch.Tensor] = []
     for line in lines:
         index = iter(range(1 << 30))

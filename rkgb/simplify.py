@@ -301,6 +301,24 @@ class SimplifiedGraph:
                 readers.setdefault(holder, set()).add(node.name)
         return readers
 
+    def results_read_by_one_node(self) -> dict[str, str]:
+        """fx name of each node result that one node alone reads and the user does not get ->
+        that node. All the contributions to such a result's gradient come from its reader's
+        island, whose one engine call sums them in eager's order (one buffer, as eager's): a
+        reader that reads it more than once needs no alias per read (``exec.codegen``
+        ``split_reads``, ``rkgb.inspect.run_island_lines``), and holds one sum, not one
+        gradient per read, as eager does (``nn.MultiheadAttention``'s three ``select``s of its
+        packed projection)."""
+        readers = self.readers()
+        nodes = {node.name for node in self.nodes}
+        # (a view of a result that the user gets passes its gradient on to the result)
+        returned = {self.owner.get(name, name) for name in self.outputs}
+        one: dict[str, str] = {}
+        for fx_name, owner in self.owner.items():
+            if owner in nodes and owner not in returned and len(readers.get(owner, ())) == 1:
+                one[fx_name] = next(iter(readers[owner]))
+        return one
+
     def users(self) -> dict[str, list[str]]:
         users: dict[str, list[str]] = {node.name: [] for node in self.nodes}
         for node in self.nodes:

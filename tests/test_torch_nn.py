@@ -78,3 +78,40 @@ def test_instance_norms_update_their_running_statistics_once_per_step(fraction):
     assert report is not None
     state = report.compiled.model.state_dict()
     assert state["norm.running_mean"].abs().sum() > 0 and state["norm1d.running_var"].ne(1).any()
+
+
+class _SelfAttentionStack(nn.Module):
+    """Pre-norm self-attention layers called as ``nn.MultiheadAttention``'s documentation
+    does: ``attn(h, h, h)[0]``, its averaged weights made and dropped (``need_weights=True``)."""
+
+    def __init__(self, layers: int = 3, dim: int = 32) -> None:
+        super().__init__()
+        self.attention = nn.ModuleList([nn.MultiheadAttention(dim, 4, batch_first=True) for _ in range(layers)])
+        self.norms = nn.ModuleList([nn.LayerNorm(dim) for _ in range(layers)])
+
+    def forward(self, x):
+        for attention, norm in zip(self.attention, self.norms):
+            h = norm(x)
+            x = x + attention(h, h, h)[0]
+        return x
+
+
+def test_multihead_attention_layers_plan_below_eagers_peak():
+    # each layer's q, k, v are views of one packed projection, whose gradient the readers of k
+    # and v sum apart (view groups, rkgb.build.first_run_bytes); the solvers reserved every
+    # layer's sums for the whole step: the minimum was 1.03x eager's peak. Now the sums of
+    # one layer only (ModelChain.first_run_reserve): 0.66x
+    from exactness import DotLoss, eager_peak
+    from rockmate import min_budget
+
+    torch.manual_seed(0)
+    model, sample = _SelfAttentionStack(), _inputs((4, 32, 32))
+    with torch.no_grad():
+        probe = model(*sample)
+    eager = eager_peak(model, sample, DotLoss(probe))
+    assert min_budget(model, sample, cost_model="flops") <= 0.75 * eager
+    # (the plan over-predicts by up to 15% here: a group's sum is counted at the size of the
+    # packed projection, where the executor's holds one more such tensor only while both k's
+    # and v's readers have run; the allocator's peak is under the budget all the same)
+    report = check_training(model, sample, 0.7, tolerance=0.2)
+    assert report is not None and not report.at_minimum
