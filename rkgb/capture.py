@@ -668,7 +668,7 @@ def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringI
     transformers takes under a compiler, which export was made for."""
     with _eager_paths() as patched:
         if not patched:
-            return torch.export.export(model, args, strict=False)
+            return _export_quietly(model, args)
         mark = printed.tell()
         # a failure here is retried below: what torch writes about it (a warning, then the
         # graph traced so far: about 90 lines on XLM-R's all-ones mask check) would only alarm
@@ -685,7 +685,24 @@ def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringI
         except BaseException:
             sys.stderr.write(torch_said.getvalue())
             raise
-    return torch.export.export(model, args, strict=False)
+    return _export_quietly(model, args)
+
+
+def _export_quietly(model: nn.Module, args: tuple):
+    """``torch.export.export`` (non-strict), whose stderr is held back where it fails on a
+    data-dependent value: torch then prints a warning and the graph traced so far (tens of
+    lines), where the CaptureError that follows repeats torch's reason and the user's line."""
+    torch_said = io.StringIO()
+    try:
+        with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(torch_said):
+            exported = torch.export.export(model, args, strict=False)
+    except GuardOnDataDependentSymNode:
+        raise
+    except BaseException:
+        sys.stderr.write(torch_said.getvalue())
+        raise
+    sys.stderr.write(torch_said.getvalue())
+    return exported
 
 
 class _TensorHooks:
@@ -818,6 +835,21 @@ def _quiet_logger(name: str):
         logger.setLevel(level)
 
 
+def _check_batch_norm_momentum(model: nn.Module) -> None:
+    """Raise :class:`UnsupportedOperation` for a batch norm that averages its statistics
+    cumulatively (``momentum=None``) while training: its factor ``1 / num_batches_tracked`` is a
+    Python number read from a buffer at each call, which a captured graph cannot follow (export
+    fails on it, deep inside torch)."""
+    for path, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training and module.momentum is None \
+                and module.track_running_stats:
+            raise UnsupportedOperation(
+                f"module {path or 'the model'!r} ({type(module).__name__}) has momentum=None (a cumulative "
+                "average of the statistics): its factor 1 / num_batches_tracked is a Python number read from a "
+                "buffer at each step, which a captured graph cannot follow. Give it a momentum (e.g. 0.1), or "
+                "freeze it (eval(), or track_running_stats=False)")
+
+
 def _check_no_module_hooks(model: nn.Module) -> None:
     """Raise :class:`CaptureError` if a module has forward or backward hooks.
 
@@ -912,6 +944,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     """
     args = as_input_tuple(sample)
     _check_no_module_hooks(model)
+    _check_batch_norm_momentum(model)
     printed = io.StringIO()  # what the forward prints while it is traced (see below)
     draws = _DecidedDraws()
     functions = CustomFunctions()
@@ -1014,6 +1047,13 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             user_outputs.append(renamed.get(spec.arg.name, spec.arg.name))
         elif spec.kind is OutputKind.BUFFER_MUTATION:
             buffer_mutations[renamed.get(spec.arg.name, spec.arg.name)] = spec.target
+        elif spec.kind is OutputKind.PARAMETER_MUTATION:
+            hint = "; nn.Embedding(max_norm=...) renormalizes its rows in place" if "renorm" in spec.arg.name else ""
+            raise UnsupportedOperation(
+                f"{_model_name(model)}'s forward writes into its parameter {spec.target!r} (by "
+                f"{spec.arg.name!r}{hint}): Rockmate replays "
+                "the forward's operations (recomputations, its own measures), which would write it again. "
+                "Renormalize outside the forward (under torch.no_grad(), before the step), or drop max_norm")
         else:
             raise CaptureError(
                 f"unsupported output kind {spec.kind} for {spec.arg.name!r}: Rockmate supports "

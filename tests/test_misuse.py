@@ -17,7 +17,7 @@ from torch import nn
 
 from rockmate import Rockmate
 from random_models import GradientReversal, StraightThrough  # custom autograd.Functions
-from rkgb.errors import CaptureError
+from rkgb.errors import CaptureError, UnsupportedOperation
 
 
 def _mlp(seed: int = 0) -> nn.Module:
@@ -298,9 +298,42 @@ class _NumPy(nn.Module):
 
 
 @pytest.mark.parametrize("model, what", [(_DataDependent, "data-dependent"), (_NumPy, "numpy")])
-def test_models_export_cannot_capture_are_capture_errors(model, what):
+def test_models_export_cannot_capture_are_capture_errors(model, what, capfd):
     with pytest.raises(CaptureError, match=f"could not capture {model.__name__}"):
         _compiled(model())
+    # torch's own account of a data-dependent failure (a warning, then the graph traced so far)
+    # is not printed: the error repeats its reason and the user's line
+    assert "def forward" not in capfd.readouterr().err
+
+
+class _CumulativeBatchNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+class _RenormalizedEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.lin = nn.Embedding(20, 8, max_norm=1.0), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(self.embedding(x.abs().long() % 20))
+
+
+@pytest.mark.parametrize("model, message", [
+    (_CumulativeBatchNorm, r"module 'norm' \(BatchNorm1d\) has momentum=None"),
+    (_RenormalizedEmbedding, r"writes into its parameter 'embedding.weight' .*max_norm"),
+])
+def test_forwards_that_cannot_be_replayed_are_clear_errors(model, message, capfd):
+    # a cumulative batch norm failed inside export (a data-dependent guard, with torch's dump of
+    # the graph on stderr); an embedding with max_norm gave "unsupported output kind"
+    with pytest.raises(UnsupportedOperation, match=message):
+        _compiled(model())
+    assert "def forward" not in capfd.readouterr().err
 
 
 class _CustomGradients(nn.Module):
