@@ -296,6 +296,15 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         for reader in readers.get(name, ()):  # views of the input included (their owner is it)
             direct[reader] = _contributions(graph.node(reader), name, graph, set(grouped))
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).extend([grad] * direct[reader])
+        # a view made after every node that reads it (``out = x.clone(); out[:, 0] = x[:, -1]``:
+        # the ``select`` after the ``clone``) has its place in the backward before theirs: its
+        # group is delivered empty (exec.codegen._deliver_view_groups), and each read's
+        # contribution joins the input's gradient at once, as a direct read's does
+        for view in [view for view, view_readers in grouped.items() if view_readers and not returned[view]]:
+            if all(position[view] > position[graph.node(reader).main.name] for reader in grouped[view]):
+                for reader in grouped.pop(view):
+                    direct[reader] = direct.get(reader, 0) + 1
+                    result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(grad)
         # an output that is the input (or a view of it): the loss gives the input a gradient
         # (a tensor returned several times gets one gradient: :func:`_loss_contributions`)
         outputs = sum(graph.owner.get(output) == name for output in set(graph.outputs)) - \

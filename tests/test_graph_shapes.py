@@ -443,3 +443,29 @@ def test_fourier_mixing_within_budget(fraction):
     budget at the minimum. Now the larger of the two blocks' figures (rkgb.cdgraph._larger)."""
     torch.manual_seed(0)
     check_training(_FourierMixing().train(), (torch.randn(4, 12, 16),), fraction)
+
+
+class _WritesItsInputsLastColumn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        out = self.lin(x).clone()
+        out[:, 0] = x[:, -1]
+        return out
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_a_view_of_the_input_made_after_its_reader_joins_the_gradient_at_once(fraction):
+    """``x[:, -1]`` is made after the ``clone`` that reads it (eager's order): its place in the
+    backward comes before its reader's, so the executor delivers its group empty and its
+    contribution joins the input's gradient at once. The plan counted a separate sum of the
+    view's gradients for the whole step and its join at the end (rkgb.build.first_run_bytes);
+    each read is one contribution to the input's gradient now (the peak of this model is
+    elsewhere: its figures did not move)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 6, 16, requires_grad=True)
+    report = check_training(_WritesItsInputsLastColumn(), (x,), fraction)
+    keys = {entry.key for entries in report.compiled.plan.first_run_bytes.values() for entry in entries}
+    assert keys == {"x.grad"}
