@@ -155,6 +155,12 @@ class SavedTensors:
                     "which is not alive: the schedule is invalid"
                 )
             base = outputs[reference.index].detach()
+            if base.dtype != reference.dtype:
+                # a view of the data as another dtype (``torch.view_as_complex`` of a float
+                # tensor, as Meta's Llama applies its rotary embedding): its geometry counts in
+                # its own elements, so it is rebuilt over the storage with its own dtype
+                view = torch.empty(0, dtype=reference.dtype, device=base.device)
+                return view.set_(base.untyped_storage(), reference.offset, reference.size, reference.stride)
             return base.as_strided(reference.size, reference.stride, reference.offset)
         tensor = packed.tensor
         if tensor is None:

@@ -391,7 +391,25 @@ def _is_random(node: torch.fx.Node) -> bool:
     """Whether ``node`` draws random numbers: its op's tag says so (a custom autograd.Function's
     operator too, rkgb.functions: its forward may)."""
     tags = getattr(node.target, "tags", ())
-    return _RANDOM_TAG in tags
+    return _RANDOM_TAG in tags and not _attention_without_dropout(node)
+
+
+def _attention_without_dropout(node: torch.fx.Node) -> bool:
+    """An attention operator (``scaled_dot_product_attention`` and its kernels) whose
+    ``dropout_p`` is 0: tagged random for its dropout, it draws nothing then (its kernels touch
+    the generator only when dropping). Kept random, each such node held a copy of the generator
+    state to replay it (5 KB on CPU each: a tiny Llama's minimum budget 18% above its plans)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == "dropout_p":
+            if index < len(node.args):
+                value = node.args[index]
+            else:
+                value = node.kwargs.get("dropout_p", argument.default_value)
+            return isinstance(value, (int, float)) and value == 0
+    return False
 
 
 def _tensor_output(fx_node: torch.fx.Node, value: torch.Tensor) -> TensorOutput:
