@@ -481,6 +481,28 @@ class CompiledModule(nn.Module):
                     f"{expected!r}; Rockmate must be rebuilt for new non-tensor inputs"
                 )
 
+    def differs_only_in_shapes(self, args: tuple) -> bool:
+        """Whether ``args`` are a call like the sample's but for the shapes of some tensors
+        (same count, dtypes, devices and non-tensor values): a call that another plan serves."""
+        if len(args) != len(self._sample_signature):
+            return False
+        differs = False
+        for value, expected in zip(args, self._sample_signature):
+            if isinstance(value, torch.Tensor) != isinstance(expected, tuple):
+                return False
+            if not isinstance(value, torch.Tensor):
+                if value != expected:
+                    return False
+                continue
+            if (value.dtype, value.device) != expected[1:]:
+                return False
+            differs |= tuple(value.shape) != expected[0]
+        return differs
+
+    def sample_tensors_shapes(self) -> list[tuple[int, ...]]:
+        """The shapes of the sample's tensors."""
+        return [expected[0] for expected in self._sample_signature if isinstance(expected, tuple)]
+
     def runner_for(self, args: tuple) -> _Runner:
         """The generated code that a call with ``args`` runs (one per pattern of requires_grad)."""
         tensors = [value for value in args if isinstance(value, torch.Tensor)]

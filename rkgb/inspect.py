@@ -295,47 +295,56 @@ def inspect_chain(
             for name in ([block.input_node] if block.input_node is not None else []) + block.side_inputs:
                 last_use[name] = max(last_use.get(name, 0), position[block.nodes[-1]])
 
+    # the user's gradients are set aside, not only their tensors: the inspection's backwards
+    # accumulate into the .grad they find, in place (a model built after a step, or rebuilt by
+    # a copy or for a new input shape, had its gradients changed by the build)
     saved_grads = {p: p.grad for p in model.parameters()}
-    if layouts is None:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            detached = tuple(
-                value.detach().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
-                for value in as_input_tuple(sample)
-            )
-            layouts = gradient_layouts(graph, model, detached) or {}
-    # the traced layouts come from the ops' meta functions, which can differ from the kernels'
-    # (a CPU batch norm's backward of a transposed input gives a contiguous gradient): a
-    # block's output gradient is really what the next block's backward gives its input. A
-    # block whose output layout was wrong is measured again, which can change the layout it
-    # gives its own input: passes until none changes (one where the traced ones were right)
-    measures: dict[int, BlockMeasure] = {}
-    split_by_output_layouts(graph, chain, layouts)
-    representatives = {cls.representative: cls.index for cls in chain.classes}
-    again = representatives
-    # the real layouts of the results, by fx name: found by the first pass, which runs every
-    # block up to the last representative; a later pass re-measures some blocks only, whose
-    # inputs are synthesized with these layouts (not the traced ones)
-    strides: dict[str, tuple[int, ...]] = {}
-    for _ in range(len(chain.blocks) + 1):
-        received: dict[str, GradLayout] = {}
-        measures.update(_inspect_blocks(graph, chain, model, sample, device, needs, clock, again,
-                                        last_use, saved_grads, layouts, received, strides))
-        corrected = {name: layout for name, layout in _received_layouts(graph, chain, received).items()
-                     if layouts.get(name) != layout}
-        if not corrected:
-            break
-        layouts = {**layouts, **corrected}
-        # a block of a class whose output gradient now differs from its representative's is a
-        # class of its own (its backward's memory, and the layout it gives its input, differ)
-        stale = split_by_output_layouts(graph, chain, layouts)
-        # and a representative whose output gradient changed is measured again
-        for block in chain.blocks[1:]:
-            previous = chain.blocks[block.index - 1]
-            if block.input_node is not None and previous.index == chain.classes[previous.class_index].representative \
-                    and any(n in corrected for n in graph.exported(graph.node(block.input_node))):
-                stale.add(previous.class_index)
-        again = {cls.representative: cls.index for cls in chain.classes if cls.index in stale}
-    return [measures[i] for i in range(len(chain.classes))]
+    for p in saved_grads:
+        p.grad = None
+    try:
+        if layouts is None:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                detached = tuple(
+                    value.detach().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
+                    for value in as_input_tuple(sample)
+                )
+                layouts = gradient_layouts(graph, model, detached) or {}
+        # the traced layouts come from the ops' meta functions, which can differ from the kernels'
+        # (a CPU batch norm's backward of a transposed input gives a contiguous gradient): a
+        # block's output gradient is really what the next block's backward gives its input. A
+        # block whose output layout was wrong is measured again, which can change the layout it
+        # gives its own input: passes until none changes (one where the traced ones were right)
+        measures: dict[int, BlockMeasure] = {}
+        split_by_output_layouts(graph, chain, layouts)
+        representatives = {cls.representative: cls.index for cls in chain.classes}
+        again = representatives
+        # the real layouts of the results, by fx name: found by the first pass, which runs every
+        # block up to the last representative; a later pass re-measures some blocks only, whose
+        # inputs are synthesized with these layouts (not the traced ones)
+        strides: dict[str, tuple[int, ...]] = {}
+        for _ in range(len(chain.blocks) + 1):
+            received: dict[str, GradLayout] = {}
+            measures.update(_inspect_blocks(graph, chain, model, sample, device, needs, clock, again,
+                                            last_use, saved_grads, layouts, received, strides))
+            corrected = {name: layout for name, layout in _received_layouts(graph, chain, received).items()
+                         if layouts.get(name) != layout}
+            if not corrected:
+                break
+            layouts = {**layouts, **corrected}
+            # a block of a class whose output gradient now differs from its representative's is a
+            # class of its own (its backward's memory, and the layout it gives its input, differ)
+            stale = split_by_output_layouts(graph, chain, layouts)
+            # and a representative whose output gradient changed is measured again
+            for block in chain.blocks[1:]:
+                previous = chain.blocks[block.index - 1]
+                if block.input_node is not None and previous.index == chain.classes[previous.class_index].representative \
+                        and any(n in corrected for n in graph.exported(graph.node(block.input_node))):
+                    stale.add(previous.class_index)
+            again = {cls.representative: cls.index for cls in chain.classes if cls.index in stale}
+        return [measures[i] for i in range(len(chain.classes))]
+    finally:
+        for p, grad in saved_grads.items():
+            p.grad = grad
 
 
 def _output_layouts(graph: SimplifiedGraph, block: Block, layouts: dict[str, GradLayout]) -> tuple:

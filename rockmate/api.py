@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -145,6 +147,9 @@ class Rockmate(nn.Module):
         self.signature, module, flat_sample = _flat_call(model, sample, args, kwargs)
         # what a copy re-plans from, with the sample's call (copy.deepcopy, pickle, torch.save)
         self._recipe = dict(budget=budget, solver=solver, options=options)
+        # plans for calls whose tensors have other shapes than the sample's (a last, smaller
+        # batch): input shapes -> a Rockmate of the same model, budget and options
+        self._variants: dict[tuple, Rockmate] = {}
         self.graphs = _build_graphs(module, flat_sample, build_options)
         plan: Plan = registry.solve(self.graphs.model_chain, budget_bytes, solver, **solver_options)
         if not plan.feasible:
@@ -196,11 +201,42 @@ class Rockmate(nn.Module):
         """The generated source of the forward and backward phases (like ``GraphModule.code``)."""
         return self.compiled.code
 
+    @torch.compiler.disable(recursive=True)
     def forward(self, *args, **kwargs):
         """Call as the model is called: the same positional and keyword arguments as the
         sample (tensors of the sample's shapes, dtypes and devices; the sample's non-tensor
-        values); returns the model's output structure (a tensor, tuple, dict, ``ModelOutput``)."""
-        return self._structured(self.compiled(*self._flat_inputs(args, kwargs)))
+        values); returns the model's output structure (a tensor, tuple, dict, ``ModelOutput``).
+        ``torch.compile`` of a model around this module runs it as it is (a graph break): its
+        schedule frees and recomputes tensors, which a compiled graph would not do."""
+        flat = self._flat_inputs(args, kwargs)
+        if self.training and torch.is_grad_enabled() and self.compiled.differs_only_in_shapes(flat):
+            return self._variant(flat, args, kwargs)(*args, **kwargs)
+        return self._structured(self.compiled(*flat))
+
+    def _variant(self, flat: tuple, args: tuple, kwargs: dict) -> "Rockmate":
+        """The plan for a call whose tensors have other shapes than the sample's: made at the
+        first such call (with the same model, budget, solver and options, this call's inputs as
+        the sample), with a warning, then reused. A new shape needs a new plan (sizes, and so
+        the schedule, change); the last batch of an epoch is the usual case."""
+        shapes = tuple(tuple(value.shape) for value in flat if isinstance(value, torch.Tensor))
+        variant = self._variants.get(shapes)
+        if variant is None:
+            began = time.perf_counter()
+            recipe = self._recipe
+            if not isinstance(recipe["solver"], str):
+                raise ValueError(
+                    f"Rockmate: called with inputs of shapes {list(map(list, shapes))}, unlike the sample's; a "
+                    "Rockmate built with a solver object cannot plan again: build one for these shapes")
+            variant = _rebuilt(self.model, (args, kwargs), recipe["budget"], recipe["solver"], recipe["options"],
+                               self.training)
+            self._variants[shapes] = variant
+            sample = [list(shape) for shape in self.compiled.sample_tensors_shapes()]
+            warnings.warn(
+                f"Rockmate: called with inputs of shapes {list(map(list, shapes))} where the sample's are {sample}: "
+                f"planned again for them, within the same budget ({time.perf_counter() - began:.1f} s; each new "
+                "shape is planned once, then reused). A last smaller batch does this once per run; "
+                "drop_last=True, or padding to the sample's shapes, avoids it", UserWarning, stacklevel=3)
+        return variant
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> tuple:
         """The compiled module's positional inputs for a call of the model."""

@@ -96,12 +96,56 @@ def test_eval_and_no_grad_run_the_plain_model():
     assert torch.equal(a, b)
 
 
-def test_wrong_input_shape_is_a_clear_error():
+def test_a_wrong_input_dtype_is_a_clear_error():
     model, sample = ZOO["mlp"].build()
     compiled = Rockmate(model, sample, 10**9, cost_model="flops")
-    bad = torch.randn(sample[0].shape[0] + 1, *sample[0].shape[1:])
-    with pytest.raises(ValueError, match="shape"):
-        compiled(bad)
+    with pytest.raises(ValueError, match="dtype torch.float64"):
+        compiled(sample[0].double())
+
+
+def test_calls_with_other_shapes_are_planned_again_within_the_budget():
+    """A last, smaller batch (and any new shape) was a ValueError: the user had to build
+    another Rockmate. It gets its own plan at its first call (a warning says so, once), with the
+    same budget; training stays bitwise eager's across the shapes, dropout included."""
+    import warnings
+
+    model, sample = ZOO["gpt"].build()
+    reference = copy.deepcopy(model)
+    budget = int(0.5 * eager_peak(model, sample, DotLoss(model(*sample))))
+    compiled = Rockmate(model, sample, budget, cost_model="flops")
+    for p in list(model.parameters()) + list(reference.parameters()):
+        p.grad = torch.zeros_like(p)  # (the budget leaves the parameters' gradients out)
+    small = tuple(value[:1, :10] for value in sample)  # (batch 2, length 16 -> 1, 10)
+    for step, inputs in enumerate([sample, small, sample, small]):
+        loss = DotLoss(reference(*inputs))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(step)
+            measured = measure_allocator_peak(lambda: loss(compiled(*inputs)).backward())
+        planned = [w for w in caught if "planned again" in str(w.message)]
+        assert len(planned) == (1 if step == 1 else 0), [str(w.message) for w in caught]
+        assert measured <= budget + LOSS_BYTES
+        torch.manual_seed(step)
+        loss(reference(*inputs)).backward()
+        for a, b in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    assert len(compiled._variants) == 1
+
+
+def test_torch_compile_runs_the_plan_as_it_is():
+    """``torch.compile`` of a model around Rockmate crashed inside the executor (dynamo traced
+    its bookkeeping); the module is now a graph break: the plan runs as it is, exact."""
+    model, sample = ZOO["mlp"].build()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(torch.nn.Sequential(Rockmate(model, sample, 10**9, cost_model="flops")),
+                             backend="aot_eager")
+    for step in range(2):
+        torch.manual_seed(step)
+        compiled(*sample).pow(2).sum().backward()
+        torch.manual_seed(step)
+        reference(*sample).pow(2).sum().backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
 
 
 def test_code_is_readable_and_render_writes_files(tmp_path):
