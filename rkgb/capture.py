@@ -620,6 +620,9 @@ class _DecidedDraws(TorchFunctionMode):
         super().__init__()
         self.draws: dict[int, weakref.ref] = {}  # by id: a tensor's == would be traced
         self.undecided: list[str] = []  # the comparisons it could not decide (for the error)
+        # the user's line of the torch call where export met a data-dependent value: torch
+        # blames the first frame outside torch, which is this mode's (every call passes here)
+        self.blamed: str | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -631,10 +634,64 @@ class _DecidedDraws(TorchFunctionMode):
             if decided is not None:
                 return decided
             self.undecided.append(f"a random draw {name} {args[1]!r}")
-        result = func(*args, **kwargs)
+        try:
+            result = func(*args, **kwargs)
+        except GuardOnDataDependentSymNode:
+            if self.blamed is None:
+                self.blamed = _user_line()
+            raise
         if func is torch.rand and isinstance(result, torch.Tensor) and result.numel() == 1:
             self.draws[id(result)] = weakref.ref(result)
         return result
+
+
+@contextlib.contextmanager
+def _host_random_draws(model: nn.Module):
+    """Refuse a forward that draws from numpy's or Python's global generator while it is
+    captured (transformers' SpecAugment masks in Wav2Vec2, HuBERT, Whisper: ``np.random`` in
+    ``_compute_mask_indices``): the graph would hold the numbers drawn at capture, the same mask
+    at every step, where eager draws new ones (a silently different training). The generators'
+    states are restored either way: capturing leaves the user's streams where they were."""
+    import random
+
+    import numpy
+
+    numpy_state, python_state = numpy.random.get_state(), random.getstate()
+    try:
+        yield
+        drew = [name for name, same in (
+            ("numpy.random", _same_numpy_state(numpy_state, numpy.random.get_state())),
+            ("random", python_state == random.getstate())) if not same]
+    finally:
+        numpy.random.set_state(numpy_state)
+        random.setstate(python_state)
+    if drew:
+        raise UnsupportedOperation(
+            f"{_model_name(model)}'s forward draws random numbers from {' and '.join(drew)} (not torch's generator): "
+            "the captured graph would hold the numbers drawn once, at capture, and reuse them at every step, where "
+            "eager draws new ones. Draw them with torch (torch.rand, torch.randint: replayed exactly), or turn that "
+            "randomness off (transformers' speech models: config.mask_time_prob = config.mask_feature_prob = 0)")
+
+
+def _same_numpy_state(a, b) -> bool:
+    import numpy
+
+    return a[0] == b[0] and numpy.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
+
+
+def _user_line() -> str | None:
+    """``File ..., line N, in f: code`` of the innermost frame outside torch and this library."""
+    import linecache
+
+    torch_directory = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_LIBRARY_DIRECTORIES + (torch_directory,)) and not path.startswith("<"):
+            code = linecache.getline(path, frame.f_lineno).strip()
+            return f"File {path}, line {frame.f_lineno}, in {frame.f_code.co_name}: {code}"
+        frame = frame.f_back
+    return None
 
 
 @contextlib.contextmanager
@@ -955,17 +1012,23 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
                 contextlib.redirect_stdout(printed), draws, functions, hooks:
             warnings.simplefilter("ignore", FutureWarning)
-            exported = _export_along_eager_paths(model, args, printed)
+            with _host_random_draws(model):
+                exported = _export_along_eager_paths(model, args, printed)
             inplace = user_inplace_ops(exported.graph)
             without_grad = _no_grad_regions(exported.graph)
             targets = {node.name: node.target for node in exported.graph.nodes}
             traced = TracedProgram.of(exported.graph)
             exported = exported.run_decompositions(_hidden_mutations(exported.graph))
+    except UnsupportedOperation:
+        raise
     except Exception as error:  # torch raises many types; we re-raise one with context
         refused = _function_call_error(error)
         if refused is not None:  # a custom Function that rkgb.functions cannot apply as one operation
             raise UnsupportedOperation(f"{_model_name(model)}: {refused}") from error
         reason = str(error).strip().splitlines()
+        if draws.blamed is not None:  # torch's "Caused by" names this library's mode: the user's line instead
+            reason = [line for line in reason if not line.startswith("Caused by: (rkgb/")]
+            reason.insert(1, f"at {draws.blamed}")
         summary = "\n".join(reason[:12])
         hint = ""
         if draws.undecided and isinstance(error, GuardOnDataDependentSymNode):

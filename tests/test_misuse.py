@@ -310,11 +310,36 @@ class _NumPy(nn.Module):
 
 @pytest.mark.parametrize("model, what", [(_DataDependent, "data-dependent"), (_NumPy, "numpy")])
 def test_models_export_cannot_capture_are_capture_errors(model, what, capfd):
-    with pytest.raises(CaptureError, match=f"could not capture {model.__name__}"):
+    with pytest.raises(CaptureError, match=f"could not capture {model.__name__}") as raised:
         _compiled(model())
+    if what == "data-dependent":
+        # the user's line, not Rockmate's capture mode, which torch blamed ("Caused by: (rkgb/...")
+        assert "test_misuse.py" in str(raised.value) and "y.sum() > 0" in str(raised.value)
+        assert "rkgb/capture.py" not in str(raised.value)
     # torch's own account of a data-dependent failure (a warning, then the graph traced so far)
     # is not printed: the error repeats its reason and the user's line
     assert "def forward" not in capfd.readouterr().err
+
+
+class _PythonRandomMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        import random
+
+        keep = 1.0 if random.random() < 0.5 else 0.0  # drawn once at capture, reused at every step
+        return self.lin(x) * keep
+
+
+def test_python_random_draws_in_the_forward_are_a_clear_error():
+    import random
+
+    state = random.getstate()
+    with pytest.raises(UnsupportedOperation, match=r"draws random numbers from random \(not torch's generator\)"):
+        _compiled(_PythonRandomMask())
+    assert random.getstate() == state
 
 
 class _CumulativeBatchNorm(nn.Module):

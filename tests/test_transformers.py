@@ -118,7 +118,16 @@ MODELS = {
         num_labels=5)),
         {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)),
          "labels": torch.tensor([1, 3])}),
+    # SpecAugment off: its masks are drawn with numpy (see test_numpy_draws_in_the_forward_...)
+    "wav2vec2": lambda: (T.Wav2Vec2Model(_wav2vec2_config(mask_time_prob=0.0)),
+                         {"input_values": torch.randn(2, 800, generator=torch.Generator().manual_seed(0))}),
 }
+
+
+def _wav2vec2_config(**options):
+    return T.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                            conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
+                            do_stable_layer_norm=True, feat_extract_norm="layer", layerdrop=0.0, **options)
 
 
 def _loss_of(output):
@@ -145,6 +154,22 @@ def test_transformers_models_train_exactly(name):
         for (path, p), q in zip(compiled.model.named_parameters(), model.parameters()):
             assert (p.grad is None) == (q.grad is None), f"step {step}: {path}'s gradient"
             assert p.grad is None or torch.equal(p.grad, q.grad), f"step {step}: {path}'s gradient differs"
+
+
+def test_numpy_draws_in_the_forward_are_a_clear_error():
+    """Wav2Vec2's SpecAugment (on by default: ``mask_time_prob=0.05``) draws its masks with numpy:
+    the captured graph held the masks of the capture, the same at every step (the compiled model
+    trained on other masks than eager's from the second step on, silently). Refused, with the
+    fix; numpy's stream is left where it was."""
+    import numpy
+
+    from rockmate import UnsupportedOperation
+
+    model = T.Wav2Vec2Model(_wav2vec2_config(mask_time_prob=0.3, mask_time_length=2)).train()
+    state = numpy.random.get_state()[1].copy()
+    with pytest.raises(UnsupportedOperation, match=r"numpy.random .*mask_time_prob"):
+        Rockmate(model, {"input_values": torch.randn(2, 800)}, "10GB", solver="none")
+    assert numpy.array_equal(numpy.random.get_state()[1], state)
 
 
 def test_a_kv_cache_output_names_use_cache():
