@@ -802,6 +802,22 @@ def _graph_nodes(root) -> list:
     return list(seen.values())
 
 
+def _sole_view(tensor: torch.Tensor) -> bool:
+    """A view (a slice of a ``cat``'s gradient) that alone holds its storage besides its base:
+    the engine frees the whole storage once it has used it."""
+    return tensor._base is not None and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 3
+
+
+def _copied_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` over a copy of its whole storage (same values, geometry and layout), made now:
+    a dense tensor is cloned, a view re-made over a copy of the storage it views."""
+    if tensor._base is None:
+        return tensor.clone()
+    storage = tensor.untyped_storage().clone()
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
 def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tensor], incoming: dict[int, int],
                      phantoms=((lambda: None), 0)) -> int:
     """The peak of an island's backward from several outputs, run as the executor runs it
@@ -810,13 +826,15 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
 
     The CPU allocator does not report the free of a block allocated before a recording starts,
     so each incoming gradient that the executor's engine can free is first copied inside the
-    recording (the same values and layout: a dense tensor holding its storage alone), whose
-    free is seen, and its bytes are taken off the peak. A gradient that is a view (the slices of
-    a ``cat``'s gradient) is not copied: its free is not credited. ``incoming`` (storage -> part
-    of the gradient) follows the copies."""
+    recording (the same values and layout: a dense tensor holding its storage alone, or a view
+    that alone holds its storage, re-made over a copy of all of it), whose free is seen, and its
+    bytes are taken off the peak. A view whose storage other tensors hold too (two slices of one
+    ``cat``'s gradient) is not copied: its free is not credited. ``incoming`` (storage -> part of
+    the gradient) follows the copies."""
     root = handoff(*island)
     on_cpu = island[0].device.type == "cpu"  # (CUDA's figures see every free: nothing to copy)
-    copied = [i for i, leaf in enumerate(leaves) if on_cpu and leaf.grad is not None and owns_its_storage(leaf.grad)]
+    copied = [i for i, leaf in enumerate(leaves) if on_cpu and leaf.grad is not None
+              and (owns_its_storage(leaf.grad) or _sole_view(leaf.grad))]
     copied_bytes = sum(leaves[i].grad.untyped_storage().nbytes() for i in copied)
 
     move, moved = phantoms
@@ -825,7 +843,7 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
         move()
         for i in copied:
             old_key = storage_key(leaves[i].grad)
-            leaves[i].grad = leaves[i].grad.clone()
+            leaves[i].grad = _copied_storage(leaves[i].grad)
             part = incoming.pop(old_key, None)
             if part is not None:
                 incoming[storage_key(leaves[i].grad)] = part
