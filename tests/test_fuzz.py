@@ -346,3 +346,28 @@ def test_a_conv_read_by_a_chain_of_doublings_stays_within_the_budget_at_the_mini
                        ("dropout_unused", [5]), ("batch_norm", [4]), ("conv1d", [4])], [0, 7], batch=2, seq=4,
                       dim=8, dtype=torch.float64, seed=0)
     check_program(program, 0.0)
+
+
+def test_a_slice_of_a_cat_gradient_reaching_a_split_island_is_credited_when_freed():
+    """A convolution's result split in its own island (`chunk`), one piece and the whole read by
+    `cat`s: the island's incoming gradients are slices of the cats' gradients, which the engine
+    frees once used. The inspection copied only dense gradients into its recording, so it
+    measured the slices' storages held through the convolution's backward (the CPU allocator
+    does not report the free of a block allocated before): predicted 1.224x eager's peak, which
+    it measures (fuzz seed 87). Now 1.044x."""
+    import copy
+
+    from exactness import DotLoss, eager_peak
+    from random_models import make
+    from rockmate import Rockmate
+
+    program = written([("conv2d", [0]), ("chunk_mul", [1]), ("identity_view", [2]), ("linear", [3]),
+                       ("cat_linear", [4, 1]), ("add", [3, 5]), ("sigmoid", [6]), ("layer_norm_plain", [6])],
+                      [0, 8], batch=3, seq=6, dim=8, dtype=torch.float64, seed=1772)
+    model, x = make(program)
+    with torch.no_grad():
+        probe = copy.deepcopy(model)(x)
+    eager = eager_peak(model, (x,), DotLoss(probe))
+    none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", cost_model="flops")
+    assert none.plan.predicted_peak <= 1.05 * eager
+    check_program(program, 1.0, **GRID)
