@@ -1056,7 +1056,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     # marked: the figure handed off is the peak before it, or the peak after it
                     # less that gradient
                     incoming_grad = box["grads"][0]
-                    credit = incoming_grad.untyped_storage().nbytes() if owns_its_storage(incoming_grad) else 0
+                    credit = incoming_grad.untyped_storage().nbytes() \
+                        if owns_its_storage(incoming_grad) or _sole_view(incoming_grad) else 0
                     root = outputs[0].grad_fn if credit else None
                     hook = None if root is None else _IncomingFreed(meter, incoming_grad, root)
                     incoming_grad = root = None
