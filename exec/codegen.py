@@ -301,6 +301,13 @@ class _Generator:
                 if view not in self.late_result_views:
                     w(f"s.queue.deliver({view!r})")
                     continue
+                if self.contributions_waiting:
+                    # (at a backward absorbed by a merged island, whose call ran before: the
+                    # view's gradient may be among the waiting contributions; unflushed, it was
+                    # left for the base's own backward to add, after contributions that eager
+                    # adds after it: Mamba's first layers' gradients 1 ulp off)
+                    w("flush_gradients()  # the view's gradient may be waiting")
+                    self.contributions_waiting = False
                 # the view's gradient, summed in its own sink, through the view's backward
                 # (no allocation: a reshape, a transpose) into the result's gradient
                 base = self.late_result_views[view]

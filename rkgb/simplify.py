@@ -352,9 +352,10 @@ def gradient_needs(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]
     included) require grad.
 
     An exported tensor gets a gradient when its node reads a tensor that requires grad (a global
-    or another node's exported tensor that gets one), it is floating point, the node's main op is
-    not an allocation like ``empty_like`` (the noise of a dropout on CPU), which autograd never
-    differentiates, and a backward from the model's outputs reaches it
+    or another node's exported tensor that gets one) through a line that is not an allocation like
+    ``empty_like`` (the noise of a dropout on CPU), which autograd never differentiates (a
+    ``zeros_like`` that later lines write values requiring grad into does get one), it is
+    floating point, and a backward from the model's outputs reaches it
     (``graph.gradient_receivers``: not an unused result, not only read by non-differentiable
     operations such as comparisons). A node needs a backward when one of its exported tensors
     gets a gradient; the others run without grad.
@@ -364,13 +365,17 @@ def gradient_needs(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]
     for node in graph.nodes:
         reads_grad = False
         for line in node.lines:
+            if line.target in NO_GRADIENT:
+                # (its result never requires grad: only what other lines read counts, as the
+                # values an RWKV writes in place, step by step, into a zeros_like of its key)
+                continue
             for arg in line.all_input_nodes:
                 holder = graph.owner.get(arg.name)
                 if holder in needs:
                     reads_grad |= needs[holder].exported.get(arg.name, needs[holder].requires_grad)
                 elif holder is not None and holder != node.name:
                     reads_grad |= global_requires_grad.get(arg.name, global_requires_grad.get(holder, False))
-        differentiable = reads_grad and node.main.target not in NO_GRADIENT
+        differentiable = reads_grad
         exported = {}
         names = set(graph.exported(node))
         for line in [node.main] + node.body:

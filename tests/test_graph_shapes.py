@@ -511,3 +511,30 @@ def test_complex_views_and_attention_without_dropout():
         report = check_training(copy.deepcopy(model), (x,), fraction)
     assert not any(node.is_random for node in report.compiled.graphs.simplified.nodes)
     assert min_budget(copy.deepcopy(model), x, cost_model="flops") <= 0.6 * report.eager_peak
+
+
+class _StepwiseRecurrence(nn.Module):
+    """RWKV's CPU path: the outputs written step by step into a ``zeros_like`` of the keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.key, self.value, self.out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        key, value = self.key(x), self.value(x)
+        output = torch.zeros_like(key)
+        state = torch.zeros_like(key[:, 0])
+        for t in range(x.shape[1]):
+            state = 0.5 * state + torch.exp(key[:, t]) * value[:, t]
+            output[:, t] = state / (1.0 + torch.exp(key[:, t]))
+        return self.out(output)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_values_written_into_a_zeros_like_get_their_gradients(fraction):
+    """A node whose main operation is an allocation (``zeros_like``) was taken to need no
+    backward, though later lines of it write values that require grad into it: the steps'
+    results then got no gradient from it (transformers' RWKV: an internal CDGraphError; a step
+    result read elsewhere too would have trained without this contribution)."""
+    torch.manual_seed(0)
+    check_training(_StepwiseRecurrence(), (torch.randn(2, 4, 16),), fraction)

@@ -118,6 +118,15 @@ MODELS = {
         num_labels=5)),
         {"pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)),
          "labels": torch.tensor([1, 3])}),
+    # its selective scan's sequential path: the views of the scan's inputs read by merged
+    # islands (their gradients were added after the others': the first layers 1 ulp off)
+    "mamba": lambda: _causal(T.MambaForCausalLM(T.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3,
+        use_cache=False))),
+    # its CPU attention writes each step's output into a zeros_like (an internal CDGraphError before)
+    "rwkv": lambda: _causal(T.RwkvForCausalLM(T.RwkvConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+        context_length=16, use_cache=False))),
     # SpecAugment off: its masks are drawn with numpy (see test_numpy_draws_in_the_forward_...)
     "wav2vec2": lambda: (T.Wav2Vec2Model(_wav2vec2_config(mask_time_prob=0.0)),
                          {"input_values": torch.randn(2, 800, generator=torch.Generator().manual_seed(0))}),
