@@ -623,9 +623,18 @@ class _DecidedDraws(TorchFunctionMode):
         # the user's line of the torch call where export met a data-dependent value: torch
         # blames the first frame outside torch, which is this mode's (every call passes here)
         self.blamed: str | None = None
+        # trained tensors the forward reads that export does not see as the model's parameters
+        # (a module kept in a Python list or a global): it lifts them as constants, so that they
+        # would get no gradient (first user line of each, by id)
+        self.outside: dict[int, str] = {}
+        self.known: set[int] = set()  # the model's parameters and the sample's tensors (by id)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        for value in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(value, torch.Tensor) and value.requires_grad and value.is_leaf \
+                    and id(value) not in self.outside and id(value) not in self.known and not _is_fake(value):
+                self.outside[id(value)] = f"{type(value).__name__} of shape {list(value.shape)} at {_user_line()}"
         name = getattr(func, "__name__", "").strip("_")
         if name in _DECIDED and len(args) == 2 and isinstance(args[0], torch.Tensor) \
                 and isinstance(args[1], (int, float)) and not isinstance(args[1], bool) \
@@ -677,6 +686,12 @@ def _same_numpy_state(a, b) -> bool:
     import numpy
 
     return a[0] == b[0] and numpy.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
 
 
 def _user_line() -> str | None:
@@ -1004,6 +1019,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     _check_batch_norm_momentum(model)
     printed = io.StringIO()  # what the forward prints while it is traced (see below)
     draws = _DecidedDraws()
+    draws.known = {id(p) for p in model.parameters()} | {id(a) for a in args if isinstance(a, torch.Tensor)}
     functions = CustomFunctions()
     hooks = _TensorHooks()
     try:
@@ -1048,6 +1064,12 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "forward (print, logging, counters in Python variables) run once, when Rockmate captures the "
             "model, not at each call of the compiled module", UserWarning, stacklevel=_stacklevel_of_caller())
 
+    if draws.outside:
+        raise UnsupportedOperation(
+            f"{_model_name(model)}'s forward uses tensors that require grad but are not its parameters (a module "
+            f"kept in a Python list, a dict or a global instead of an nn.ModuleList/ModuleDict attribute?): "
+            f"{'; '.join(list(draws.outside.values())[:3])}. torch.export lifts them as constants, so they would "
+            "get no gradient. Register their module as a submodule of the model (or pass them as inputs)")
     if hooks.registered:
         raise UnsupportedOperation(
             f"{_model_name(model)}'s forward registers gradient hooks on tensors (at {'; '.join(hooks.registered)}): "

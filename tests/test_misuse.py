@@ -342,6 +342,26 @@ def test_python_random_draws_in_the_forward_are_a_clear_error():
     assert random.getstate() == state
 
 
+_UNREGISTERED = nn.Linear(8, 8)  # a module the model uses without registering it
+
+
+class _UsesAnUnregisteredModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.heads = [nn.Linear(8, 8)]  # a Python list, not an nn.ModuleList
+
+    def forward(self, x):
+        return self.heads[0](self.lin(x)) + _UNREGISTERED(x)
+
+
+def test_trained_tensors_outside_the_model_are_a_clear_error():
+    """Parameters of modules kept in a Python list or a global were lifted by export as
+    constants: they silently got no gradient, where eager trains them."""
+    with pytest.raises(UnsupportedOperation, match=r"not its parameters .*Parameter of shape \[8, 8\] at .*test_misuse"):
+        _compiled(_UsesAnUnregisteredModule())
+
+
 class _CumulativeBatchNorm(nn.Module):
     def __init__(self) -> None:
         super().__init__()
