@@ -559,6 +559,23 @@ def views_as_reshapes(graph: torch.fx.Graph) -> int:
     return replaced
 
 
+def type_as_dtype(graph: torch.fx.Graph) -> int:
+    """Make each ``aten.type_as(x, other)`` an ``aten.to.dtype(x, <other's dtype>)``, where both
+    are on one device: the same result (``x`` itself for the same dtype, else a cast), without
+    reading ``other``, whose value only lends its dtype. Read, it tied ``other`` to the reading
+    node without being one of its inputs (Gemma 3's norms: ``output.type_as(x)``, a crash in the
+    inspection where ``x`` was not computed). Returns how many."""
+    replaced = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.type_as.default:
+            value, other = (arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None for arg in node.args[:2])
+            if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor) and value.device == other.device:
+                node.target = torch.ops.aten.to.dtype
+                node.args = (node.args[0], other.dtype)
+                replaced += 1
+    return replaced
+
+
 def _cpu_dropout(graph: torch.fx.Graph, x: torch.fx.Node, p: float, value, draw_only: bool = False) -> torch.fx.Node:
     """Eager's CPU dropout (ATen's ``_dropout_impl``: ``noise = empty_like(x)``,
     ``noise.bernoulli_(1 - p)``, ``noise.div_(1 - p)``, ``x * noise``), with the random draw
@@ -1099,6 +1116,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     restore_inplace_ops(exported.graph, inplace, varying, renamed, requiring, mutations)
     merge_regenerated_views(exported.graph, targets)
     views_as_reshapes(exported.graph)
+    type_as_dtype(exported.graph)
     dropouts_of_nothing(exported.graph)
     signature = exported.graph_signature
     parameters: dict[str, str] = {}

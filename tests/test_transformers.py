@@ -123,6 +123,11 @@ MODELS = {
     "mamba": lambda: _causal(T.MambaForCausalLM(T.MambaConfig(
         vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=3,
         use_cache=False))),
+    # its norms end with `output.type_as(x)`: x lends only its dtype (a crash in the inspection,
+    # where x was not computed, before rkgb.capture.type_as_dtype)
+    "gemma3": lambda: _causal(T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, head_dim=8, sliding_window=4))),
     # its CPU attention writes each step's output into a zeros_like (an internal CDGraphError before)
     "rwkv": lambda: _causal(T.RwkvForCausalLM(T.RwkvConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
