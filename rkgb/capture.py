@@ -625,26 +625,30 @@ _DECIDED = {
 }
 
 
-class _DecidedDraws(TorchFunctionMode):
-    """Decide at capture the comparisons of a one-element ``torch.rand`` draw with a constant that
-    settle them whatever the draw: transformers' LayerDrop (BART, mBART, Whisper, ...) runs
-    ``if torch.rand([]) < self.layerdrop: skip the layer`` in training, a branch that export
-    cannot take on a traced value, and that never skips with the default ``layerdrop=0.0``.
-    The draw stays in the graph (unused, it still advances the generator, as in eager); a
-    comparison that depends on the draw (``layerdrop`` in (0, 1)) still fails to capture."""
+class _ForwardWatch(TorchFunctionMode):
+    """Sees every torch call of the forward while it is captured, for three things.
 
-    def __init__(self) -> None:
+    LayerDrop: decides at capture the comparisons of a one-element ``torch.rand`` draw with a
+    constant that settle them whatever the draw: transformers' LayerDrop (BART, mBART, Whisper,
+    ...) runs ``if torch.rand([]) < self.layerdrop: skip the layer`` in training, a branch that
+    export cannot take on a traced value, and that never skips with the default
+    ``layerdrop=0.0``. The draw stays in the graph (unused, it still advances the generator, as in
+    eager); a comparison that depends on the draw (``layerdrop`` in (0, 1)) still fails to capture.
+
+    The user's line of a call where export meets a data-dependent value (``blamed``): torch
+    blames the first frame outside torch, which is this mode's.
+
+    Trained tensors that are not the model's parameters nor the sample's (``outside``; ``known``:
+    their ids): export would lift them as constants, without gradients.
+    """
+
+    def __init__(self, known: set[int]) -> None:
         super().__init__()
         self.draws: dict[int, weakref.ref] = {}  # by id: a tensor's == would be traced
         self.undecided: list[str] = []  # the comparisons it could not decide (for the error)
-        # the user's line of the torch call where export met a data-dependent value: torch
-        # blames the first frame outside torch, which is this mode's (every call passes here)
         self.blamed: str | None = None
-        # trained tensors the forward reads that export does not see as the model's parameters
-        # (a module kept in a Python list or a global): it lifts them as constants, so that they
-        # would get no gradient (first user line of each, by id)
-        self.outside: dict[int, str] = {}
-        self.known: set[int] = set()  # the model's parameters and the sample's tensors (by id)
+        self.outside: dict[int, str] = {}  # by id: the first user line reading each
+        self.known = known
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -759,28 +763,19 @@ def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringI
         if not patched:
             return _export_quietly(model, args)
         mark = printed.tell()
-        # a failure here is retried below: what torch writes about it (a warning, then the
-        # graph traced so far: about 90 lines on XLM-R's all-ones mask check) would only alarm
-        # the user; written out where the attempt ends otherwise
-        torch_said = io.StringIO()
         try:
-            with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(torch_said):
-                exported = torch.export.export(model, args, strict=False)
-            sys.stderr.write(torch_said.getvalue())
-            return exported
-        except GuardOnDataDependentSymNode:
+            return _export_quietly(model, args)
+        except GuardOnDataDependentSymNode:  # retried below
             printed.seek(mark)  # the forward runs again: print its output once
             printed.truncate()
-        except BaseException:
-            sys.stderr.write(torch_said.getvalue())
-            raise
     return _export_quietly(model, args)
 
 
 def _export_quietly(model: nn.Module, args: tuple):
     """``torch.export.export`` (non-strict), whose stderr is held back where it fails on a
     data-dependent value: torch then prints a warning and the graph traced so far (tens of
-    lines), where the CaptureError that follows repeats torch's reason and the user's line."""
+    lines: about 90 on XLM-R's all-ones mask check), where the attempt is retried along other
+    paths or the CaptureError that follows repeats torch's reason and the user's line."""
     torch_said = io.StringIO()
     try:
         with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(torch_said):
@@ -1035,15 +1030,14 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     _check_no_module_hooks(model)
     _check_batch_norm_momentum(model)
     printed = io.StringIO()  # what the forward prints while it is traced (see below)
-    draws = _DecidedDraws()
-    draws.known = {id(p) for p in model.parameters()} | {id(a) for a in args if isinstance(a, torch.Tensor)}
+    watch = _ForwardWatch({id(p) for p in model.parameters()} | {id(a) for a in args if isinstance(a, torch.Tensor)})
     functions = CustomFunctions()
     hooks = _TensorHooks()
     try:
         # random ops whose results are unused still advance the generator in eager: the
         # export's dead-code elimination keeps them only when told that randomness is an effect
         with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
-                contextlib.redirect_stdout(printed), draws, functions, hooks:
+                contextlib.redirect_stdout(printed), watch, functions, hooks:
             warnings.simplefilter("ignore", FutureWarning)
             with _host_random_draws(model):
                 exported = _export_along_eager_paths(model, args, printed)
@@ -1059,13 +1053,13 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         if refused is not None:  # a custom Function that rkgb.functions cannot apply as one operation
             raise UnsupportedOperation(f"{_model_name(model)}: {refused}") from error
         reason = str(error).strip().splitlines()
-        if draws.blamed is not None:  # torch's "Caused by" names this library's mode: the user's line instead
+        if watch.blamed is not None:  # torch's "Caused by" names this library's mode: the user's line instead
             reason = [line for line in reason if not line.startswith("Caused by: (rkgb/")]
-            reason.insert(1, f"at {draws.blamed}")
+            reason.insert(1, f"at {watch.blamed}")
         summary = "\n".join(reason[:12])
         hint = ""
-        if draws.undecided and isinstance(error, GuardOnDataDependentSymNode):
-            hint = (f"\nThe forward branches on {draws.undecided[-1]} (a LayerDrop, as in transformers' "
+        if watch.undecided and isinstance(error, GuardOnDataDependentSymNode):
+            hint = (f"\nThe forward branches on {watch.undecided[-1]} (a LayerDrop, as in transformers' "
                     "BART and Whisper?): which layers run is random, a graph cannot follow it; set the drop "
                     "probability to 0 (e.g. config.encoder_layerdrop = config.decoder_layerdrop = 0.0).")
         raise CaptureError(
@@ -1081,11 +1075,11 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "forward (print, logging, counters in Python variables) run once, when Rockmate captures the "
             "model, not at each call of the compiled module", UserWarning, stacklevel=_stacklevel_of_caller())
 
-    if draws.outside:
+    if watch.outside:
         raise UnsupportedOperation(
             f"{_model_name(model)}'s forward uses tensors that require grad but are not its parameters (a module "
             f"kept in a Python list, a dict or a global instead of an nn.ModuleList/ModuleDict attribute?): "
-            f"{'; '.join(list(draws.outside.values())[:3])}. torch.export lifts them as constants, so they would "
+            f"{'; '.join(list(watch.outside.values())[:3])}. torch.export lifts them as constants, so they would "
             "get no gradient. Register their module as a submodule of the model (or pass them as inputs)")
     if hooks.registered:
         raise UnsupportedOperation(

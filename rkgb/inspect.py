@@ -325,7 +325,7 @@ def inspect_chain(
         for _ in range(len(chain.blocks) + 1):
             received: dict[str, GradLayout] = {}
             measures.update(_inspect_blocks(graph, chain, model, sample, device, needs, clock, again,
-                                            last_use, saved_grads, layouts, received, strides))
+                                            last_use, layouts, received, strides))
             corrected = {name: layout for name, layout in _received_layouts(graph, chain, received).items()
                          if layouts.get(name) != layout}
             if not corrected:
@@ -404,10 +404,12 @@ def _received_layouts(graph: SimplifiedGraph, chain: Chain,
 
 
 def _inspect_blocks(graph, chain, model, sample, device, needs, clock, representatives, last_use,
-                    saved_grads, layouts, received, strides) -> dict[int, BlockMeasure]:
+                    layouts, received, strides) -> dict[int, BlockMeasure]:
     """One pass of :func:`inspect_chain` over the blocks with the given output ``layouts``;
     ``received`` gets the layouts of the gradients that each inspected block's backward gives
-    its input; ``strides`` the real layouts of the results computed (kept across passes)."""
+    its input; ``strides`` the real layouts of the results computed (kept across passes). The
+    parameters' gradients are None when it starts (the user's are set aside by
+    :func:`inspect_chain`) and when it ends (its own dropped: the next pass starts alike)."""
     measures: dict[int, BlockMeasure] = {}
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -456,8 +458,8 @@ def _inspect_blocks(graph, chain, model, sample, device, needs, clock, represent
                             if last_use.get(dep, -1) <= next_node - 1:
                                 _drop(graph.node(dep), env)
     finally:
-        for p, grad in saved_grads.items():
-            p.grad = grad
+        for p in model.parameters():
+            p.grad = None
     return measures
 
 

@@ -371,3 +371,22 @@ def test_a_slice_of_a_cat_gradient_reaching_a_split_island_is_credited_when_free
     none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", cost_model="flops")
     assert none.plan.predicted_peak <= 1.05 * eager
     check_program(program, 1.0, **GRID)
+
+
+def test_building_leaves_the_models_gradients_alone_over_several_inspection_passes():
+    """The inspection sets the user's gradients aside while it runs its backwards; a program
+    whose gradient layouts are corrected over three passes of inspection had them back (and
+    accumulated into, in place) from the second pass on."""
+    from random_models import make
+    from rockmate import Rockmate
+
+    program = written([("cat_linear", [0, 0]), ("batch_norm_unused", [1]), ("copy_into", [2]), ("batch_norm", [3]),
+                       ("add", [4, 4]), ("add", [5, 2]), ("linear_relu_inplace", [6])], [4], batch=3, seq=6, dim=16,
+                      seed=65535)
+    model, x = make(program)
+    model(x).sum().backward()
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    Rockmate(model, x, 10**12, solver="none", cost_model="flops")
+    assert len(before) == sum(p.grad is not None for p in model.parameters())
+    for a, p in zip(before, [p for p in model.parameters() if p.grad is not None]):
+        assert torch.equal(a, p.grad)

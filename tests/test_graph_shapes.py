@@ -349,7 +349,7 @@ class _LayerDrop(nn.Module):
 
 def test_layerdrop_at_zero_is_decided_at_capture_and_exact():
     """With ``layerdrop=0.0`` (transformers' default) the branch never skips: decided at capture
-    (rkgb.capture._DecidedDraws), the draws kept, so that the later dropout masks are eager's;
+    (rkgb.capture._ForwardWatch), the draws kept, so that the later dropout masks are eager's;
     exact at the minimum. A layerdrop in (0, 1) is a real random branch: a CaptureError."""
     torch.manual_seed(0)
     x = torch.randn(4, 8, 16)
