@@ -517,7 +517,6 @@ def test_custom_functions_that_cannot_be_one_operation_are_clear_errors(model, n
     """A Function given an argument that is neither a tensor nor a constant (a list), or keeping
     a tensor on its ctx (which the memory model would not see), cannot be applied as one
     operation: refused with its name and line, never traced without its backward."""
-
     with pytest.raises(UnsupportedOperation, match=rf"{name} \(at .*test_misuse.py:\d+\).*{what}"):
         _compiled(model())
 
@@ -538,7 +537,6 @@ IDS = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(2))
 def test_a_sparse_embedding_gradient_is_a_clear_error():
     """``nn.Embedding(sparse=True)``: a gradient whose size depends on the indices' values (it
     crashed inside the inspection: "Cannot access storage of SparseTensorImpl")."""
-
     with pytest.raises(UnsupportedOperation, match=r"aten.embedding \(in module 'table'.*sparse=False"):
         _compiled(_SparseEmbedding(), IDS)
 
@@ -602,7 +600,6 @@ class _HookInForward(nn.Module):
 def test_a_gradient_hook_registered_in_the_forward_is_a_clear_error():
     """export keeps no trace of a tensor hook the forward registers: the gradients of ``a`` would
     be twice eager's. Refused with the line that registers it."""
-
     with pytest.raises(UnsupportedOperation, match=r"registers gradient hooks on tensors \(at .*test_misuse.py:\d+\)"):
         _compiled(_HookInForward())
 
