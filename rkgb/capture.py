@@ -675,6 +675,17 @@ class _ForwardWatch(TorchFunctionMode):
         return result
 
 
+def _raised_by_data_dependence(error: BaseException) -> bool:
+    """``error`` is export's data-dependent guard, or was raised while handling one."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, GuardOnDataDependentSymNode):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 @contextlib.contextmanager
 def _host_random_draws(model: nn.Module):
     """Refuse a forward that draws from numpy's or Python's global generator while it is
@@ -1053,7 +1064,9 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         if refused is not None:  # a custom Function that rkgb.functions cannot apply as one operation
             raise UnsupportedOperation(f"{_model_name(model)}: {refused}") from error
         reason = str(error).strip().splitlines()
-        if watch.blamed is not None:  # torch's "Caused by" names this library's mode: the user's line instead
+        if watch.blamed is not None and _raised_by_data_dependence(error):
+            # torch's "Caused by" names this library's mode: the user's line instead (a data-dependent
+            # guard that the model caught and went around, then another error: not blamed)
             reason = [line for line in reason if not line.startswith("Caused by: (rkgb/")]
             reason.insert(1, f"at {watch.blamed}")
         summary = "\n".join(reason[:12])

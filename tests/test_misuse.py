@@ -321,6 +321,29 @@ def test_models_export_cannot_capture_are_capture_errors(model, what, capfd):
     assert "def forward" not in capfd.readouterr().err
 
 
+class _CaughtGuardThenCache(nn.Module):
+    """Meets a data-dependent branch, catches it and goes around (as transformers' mask
+    helpers do), then returns a value export refuses: the error is not the caught branch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        try:
+            skip = bool(y.sum() > 0)
+        except Exception:  # the guard, which the model handles itself
+            skip = False
+        return y * 2 if skip else y, object()
+
+
+def test_a_caught_data_dependent_guard_is_not_blamed_for_another_error():
+    with pytest.raises(CaptureError) as raised:
+        _compiled(_CaughtGuardThenCache())
+    assert "y.sum() > 0" not in str(raised.value)
+
+
 class _PythonRandomMask(nn.Module):
     def __init__(self) -> None:
         super().__init__()
