@@ -9,7 +9,7 @@ See :class:`rockmate.api.Rockmate` and ``DESIGN.md``.
 """
 
 from .api import BuildOptions, Rockmate, min_budget
-from .budget import format_bytes, parse_budget
+from .budget import budget_fraction, format_bytes, parse_budget
 from .errors import CaptureError, InfeasibleBudget, UnsupportedOperation
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "CaptureError",
     "UnsupportedOperation",
     "parse_budget",
+    "budget_fraction",
     "format_bytes",
 ]

@@ -33,7 +33,7 @@ from solvers.option_cache import default_directory
 from solvers.bounds import operation_floor
 from solvers.schedule import Plan
 
-from .budget import format_bytes, parse_budget
+from .budget import budget_fraction, format_bytes, parse_budget
 from .errors import InfeasibleBudget
 from .signature import CallSignature, FlatModel, split_sample
 
@@ -110,7 +110,10 @@ class Rockmate(nn.Module):
             inputs (``{"input_ids": ..., "labels": ...}``); ``args=`` and ``kwargs=`` give
             both. Non-tensor arguments are fixed at their sample values. The compiled module
             is called as the model is and returns the model's output structure.
-        budget: bytes (int) or a string such as ``"300MiB"`` or ``"1.5GB"``.
+        budget: bytes (int) or a string such as ``"300MiB"`` or ``"1.5GB"``; or a fraction of
+            the peak without recomputation (autograd's, on this sample), as PyTorch's
+            ``activation_memory_budget``: a float in (0, 1] (``0.5``) or a string (``"50%"``).
+            Calls with other shapes are planned with the same fraction of their own peak.
         solver: ``"rockmate"`` (default), ``"rotor"``, ``"checkmate"`` (whole graph, small
             models), ``"none"`` (no recomputation), or a solver object.
         **options: ``cost_model``, ``repeats``, ``grad_accumulation`` and ``max_block_nodes``
@@ -139,7 +142,8 @@ class Rockmate(nn.Module):
         super().__init__()
         if budget is None:
             raise TypeError("Rockmate needs a budget: Rockmate(model, sample, budget), e.g. budget=\"300MiB\"")
-        budget_bytes = parse_budget(budget)
+        fraction = budget_fraction(budget)
+        budget_bytes = parse_budget(budget) if fraction is None else None
         build_options, solver_options = _split_options(options)
         registry.get_solver(solver, **solver_options)  # unknown options: an error before the build
         if isinstance(solver_options.get("ilp_solver"), str):  # a missing package: the same
@@ -151,10 +155,17 @@ class Rockmate(nn.Module):
         # batch): input shapes -> a Rockmate of the same model, budget and options
         self._variants: dict[tuple, Rockmate] = {}
         self.graphs = _build_graphs(module, flat_sample, build_options)
+        if fraction is not None:  # of the peak without recomputation, on this sample
+            baseline = registry.no_recompute_peak(self.graphs.model_chain)
+            budget_bytes = max(1, int(fraction * baseline))
         plan: Plan = registry.solve(self.graphs.model_chain, budget_bytes, solver, **solver_options)
         if not plan.feasible:
             floor, operation = _operation_floor(self.graphs)
-            raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver, floor, operation)
+            raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver, floor, operation,
+                                   asked=None if fraction is None else (budget, baseline))
+        if fraction is not None:
+            plan.notes.append(f"budget {budget!r}: {budget_bytes} B, {fraction:.0%} of the {baseline} B "
+                              f"({format_bytes(baseline)}) that the plan without recomputation peaks at")
         plan.timings = {**self.graphs.phase_seconds, **plan.timings}
         if self.graphs.measures_from_cache:
             plan.notes.append(f"the blocks' measures (memory and {build_options.cost_model} times) were read from the "

@@ -1,4 +1,6 @@
-"""Read a memory budget given as bytes or as a string such as ``"300MiB"`` or ``"1.5GB"``."""
+"""Read a memory budget given as bytes, as a string such as ``"300MiB"`` or ``"1.5GB"``, or as a
+fraction of the peak without recomputation (``0.5`` or ``"50%"``, as PyTorch's
+``activation_memory_budget``)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import math
 
 import re
 
-__all__ = ["parse_budget", "format_bytes"]
+__all__ = ["parse_budget", "budget_fraction", "format_bytes"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -15,11 +17,34 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-_ACCEPTED = "an integer number of bytes, or a string like '300MiB', '1.5GB', '2GiB', '512kB' or '1e9'"
+_ACCEPTED = ("an integer number of bytes, a string like '300MiB', '1.5GB', '2GiB', '512kB' or '1e9', or a "
+             "fraction of the peak without recomputation (0.5 or '50%')")
+_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+
+def budget_fraction(budget) -> float | None:
+    """The fraction of the peak without recomputation that ``budget`` asks for: a float in
+    (0, 1] (PyTorch's ``activation_memory_budget`` convention: 1.0 recomputes nothing) or a
+    string ``"50%"``; None for a budget in bytes. A fraction needs the model's peak, which
+    :class:`rockmate.Rockmate` knows once its graphs are built.
+
+    Raises:
+        ValueError: a percentage that is not in (0, 100].
+    """
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return budget
+    if isinstance(budget, str):
+        match = _PERCENT.match(budget)
+        if match is not None:
+            percent = float(match.group(1))
+            if not 0 < percent <= 100:
+                raise ValueError(f"a budget in percent must be in (0, 100]; got {budget!r}")
+            return percent / 100
+    return None
 
 
 def parse_budget(budget) -> int:
-    """The budget in bytes.
+    """The budget in bytes (a fraction is a ValueError here: see :func:`budget_fraction`).
 
     Raises:
         ValueError: the budget cannot be read, or is not positive; the message names the
@@ -27,6 +52,9 @@ def parse_budget(budget) -> int:
     """
     if isinstance(budget, bool):
         raise ValueError(f"budget must be {_ACCEPTED}; got {budget!r}")
+    if budget_fraction(budget) is not None:
+        raise ValueError(f"the budget {budget!r} is a fraction of a model's peak without recomputation, not a "
+                         "number of bytes: Rockmate(model, sample, budget) reads it against the model's peak")
     if isinstance(budget, int):
         value = budget
     elif isinstance(budget, float):

@@ -18,7 +18,7 @@ class InfeasibleBudget(ValueError):
     """
 
     def __init__(self, budget: int, minimum: int | None, solver: str, floor: int | None = None,
-                 floor_operation: str = "") -> None:
+                 floor_operation: str = "", asked: tuple | None = None) -> None:
         self.budget = budget
         self.minimum = minimum
         self.solver = solver
@@ -32,4 +32,10 @@ class InfeasibleBudget(ValueError):
             detail += (f"; no plan that runs the model's operations as eager PyTorch does goes below {floor} "
                        f"bytes ({format_bytes(floor)}), which {floor_operation or 'one operation'} needs on its own "
                        "(with the gradients alive at that point): below it, recomputation cannot help")
-        super().__init__(f"budget of {budget} bytes ({format_bytes(budget)}) is infeasible: {detail}")
+        given = ""
+        if asked is not None:  # (the fraction as given, the peak without recomputation it is of)
+            fraction, baseline = asked
+            given = f" ({fraction!r} of the {baseline} bytes that the plan without recomputation peaks at)"
+            if minimum is not None:
+                detail += f", {minimum / baseline:.1%} of that peak"
+        super().__init__(f"budget of {budget} bytes ({format_bytes(budget)}){given} is infeasible: {detail}")

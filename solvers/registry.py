@@ -664,11 +664,17 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
     return plan
 
 
+def no_recompute_peak(chain: ModelChain) -> int:
+    """The predicted peak (bytes) of the plan that recomputes nothing: autograd's, the memory
+    a budget given as a fraction is a fraction of."""
+    return chain.held_bytes + simulate(chain.whole_graph(), no_recompute_schedule(chain),
+                                       first_run_bytes=chain.first_run_bytes).peak_bytes
+
+
 def _minimum(chain: ModelChain, solver_minimum: int | None) -> int:
     """The smallest budget: the solver's minimum with the first-run memory left aside as a
     whole, or the plan without recomputation counted exactly, whichever is smaller."""
-    exact = chain.held_bytes + simulate(chain.whole_graph(), no_recompute_schedule(chain),
-                                        first_run_bytes=chain.first_run_bytes).peak_bytes
+    exact = no_recompute_peak(chain)
     if solver_minimum is None:
         return exact
     return min(exact, _held_bytes(chain) + int(solver_minimum))

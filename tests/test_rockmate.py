@@ -10,7 +10,7 @@ import torch
 from exactness import LOSS_BYTES, DotLoss, check_training, eager_peak
 from rkgb.cdgraph import parameter_sums
 from rkgb.memory import measure_allocator_peak
-from rockmate import InfeasibleBudget, Rockmate, min_budget, parse_budget
+from rockmate import InfeasibleBudget, Rockmate, budget_fraction, min_budget, parse_budget
 from zoo import ZOO
 
 STEPS = 3
@@ -80,6 +80,41 @@ def test_budget_strings():
         parse_budget("lots")
     with pytest.raises(ValueError):
         parse_budget(-5)
+
+
+def test_a_fraction_is_of_the_peak_without_recomputation():
+    """``0.5`` and ``"50%"`` (PyTorch's activation_memory_budget convention) are half of the
+    plan without recomputation's peak; bitwise, and the allocator's peak within that budget."""
+    from solvers import registry
+
+    assert budget_fraction(0.5) == budget_fraction("50%") == 0.5 and budget_fraction(1.0) == 1.0
+    assert budget_fraction(1024) is None and budget_fraction("300MiB") is None and budget_fraction(3e8) is None
+    with pytest.raises(ValueError, match="fraction of a model's peak"):
+        parse_budget(0.5)
+    with pytest.raises(ValueError, match="in percent"):
+        budget_fraction("150%")
+    model, sample = ZOO["gpt"].build()
+    reference = copy.deepcopy(model)
+    half = Rockmate(model, sample, 0.5, cost_model="flops")
+    peak = registry.no_recompute_peak(half.graphs.model_chain)
+    assert half.plan.budget == int(0.5 * peak) and half.plan.predicted_peak <= half.plan.budget
+    assert any("50% of the" in note for note in half.plan.notes)
+    assert Rockmate(copy.deepcopy(model), sample, "50%", cost_model="flops").plan.budget == half.plan.budget
+    assert Rockmate(copy.deepcopy(model), sample, 1.0, solver="none", cost_model="flops").plan.budget == peak
+    for p in list(model.parameters()) + list(reference.parameters()):
+        p.grad = torch.zeros_like(p)  # (the budget leaves the parameters' gradients out)
+    loss = DotLoss(reference(*sample))
+    for step in range(2):
+        torch.manual_seed(step)
+        measured = measure_allocator_peak(lambda: loss(half(*sample)).backward())
+        assert measured <= half.plan.budget + LOSS_BYTES
+        torch.manual_seed(step)
+        loss(reference(*sample)).backward()
+        for a, b in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    with pytest.raises(InfeasibleBudget, match=r"0\.01 of the \d+ bytes that the plan without recomputation") as info:
+        Rockmate(copy.deepcopy(model), sample, 0.01, cost_model="flops")
+    assert f"{info.value.minimum / peak:.1%} of that peak" in str(info.value)
 
 
 def test_eval_and_no_grad_run_the_plain_model():
