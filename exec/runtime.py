@@ -20,7 +20,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
-from rkgb.cdgraph import parameter_sums
+from rkgb.cdgraph import DataKind, data_name, parameter_sums
 from rkgb.gradsink import GradientQueue, GradSink, accumulate, handoff, handoff_backward
 from rkgb.interpret import batch_norm_not_updating, batch_norm_updating
 from rkgb.saved import SavedTensors
@@ -166,12 +166,17 @@ _SECOND_BACKWARD = (
 
 
 class _Handover:
-    """The gradients of one forward's outputs, handed over by :class:`_OutputGate`s."""
+    """The gradients of one forward's outputs, handed over by :class:`_OutputGate`s; the
+    outputs' versions when the forward returned them, and those whose values the backward
+    reads (:func:`_check_outputs_unchanged`)."""
 
-    __slots__ = ("grads",)
+    __slots__ = ("grads", "versions", "names", "read_by_backward")
 
-    def __init__(self, count: int) -> None:
-        self.grads: list[torch.Tensor | None] = [None] * count
+    def __init__(self, names: Sequence[str], read_by_backward: frozenset[int] | None = None) -> None:
+        self.grads: list[torch.Tensor | None] = [None] * len(names)
+        self.versions: list[int] = []
+        self.names = names  # the outputs' fx names (for the error)
+        self.read_by_backward = read_by_backward  # None: any of them, for all we know
 
 
 class _OutputGate(torch.autograd.Function):
@@ -186,7 +191,10 @@ class _OutputGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output: torch.Tensor, handover: _Handover, index: int):
         ctx.handover, ctx.index = handover, index
-        return output.view_as(output)
+        # a new tensor over the output's storage, not a view: the user may write it in place
+        # (``F.relu(out, inplace=True)``), as eager allows, where the plan's backward does not
+        # read its values; it shares the version counter, which the backward checks
+        return output.detach()
 
     @staticmethod
     def backward(ctx, grad):
@@ -195,6 +203,40 @@ class _OutputGate(torch.autograd.Function):
         ctx.handover.grads[ctx.index] = grad
         ctx.handover = None
         return None, None, None
+
+
+def _check_outputs_unchanged(handover: _Handover, outputs: Sequence[torch.Tensor]) -> None:
+    """Refuse a backward whose plan reads the values of an output that was written in place
+    after the forward returned it (eager raises too where its backward saved that tensor:
+    "modified by an inplace operation"); an output the backward does not read may be written."""
+    for i, (output, version) in enumerate(zip(outputs, handover.versions)):
+        if output._version != version and (handover.read_by_backward is None or i in handover.read_by_backward):
+            raise RuntimeError(
+                f"Rockmate: output {i} of the compiled module ({handover.names[i]!r}) was modified by an in-place "
+                "operation after the forward returned it, and the plan's backward reads its values (a backward "
+                "that saved it, or a recomputation): write a copy instead (out = out.clone() first, or an "
+                "out-of-place operation)")
+
+
+def _outputs_read_by_backward(graph: SimplifiedGraph, schedule: Schedule, cdgraph) -> frozenset[int] | None:
+    """Indices of the user outputs whose values a backward or recomputation of ``schedule``
+    reads (after its loss), or may read (an output that is not a node's data: a model input, a
+    buffer); None, all of them, without a CD-graph."""
+    if cdgraph is None or not cdgraph.has_compute("loss"):
+        return None
+    after_loss, read = False, set()
+    for op in schedule.ops:
+        node = getattr(op, "node", None)
+        if node == "loss":
+            after_loss = True
+        elif after_loss and type(op).__name__ == "Compute" and cdgraph.has_compute(node):
+            read.update(cdgraph.compute(node).needs)
+    indices = set()
+    for i, name in enumerate(graph.outputs):
+        data = data_name(graph.owner.get(name, name), DataKind.DATA)
+        if data in read or not cdgraph.has_data(data):
+            indices.add(i)
+    return frozenset(indices)
 
 
 def _warn_if_shared(grads: list[torch.Tensor | None]) -> None:
@@ -261,6 +303,7 @@ class _ScheduleFunction(torch.autograd.Function):
             i: _ParameterCollector(p) for i, p in enumerate(parameters)
             if p.requires_grad and i not in runner.aliased_parameters and not _engine_accumulates_into(p)
         }
+        _check_outputs_unchanged(ctx.handover, state.outputs)
         # the outputs' gradients come from their gates (the engine passes None here)
         state.grad_outputs, ctx.handover.grads, ctx.handover = ctx.handover.grads, None, None
         _warn_if_shared(state.grad_outputs)
@@ -392,6 +435,7 @@ class CompiledModule(nn.Module):
         self.peak_limit = peak_limit
         self.first_run_bytes = first_run_bytes
         self.merge_islands = merge_islands
+        self._read_by_backward = _outputs_read_by_backward(graph, schedule, cdgraph)
         sample = as_input_tuple(sample)
         captured = graph.captured
         self._sample_signature = [
@@ -521,8 +565,9 @@ class CompiledModule(nn.Module):
         parameters = [getattr(m, a) for _, m, a in self._parameter_refs]
         runner = self.runner_for(args)
         self._bind_globals(runner)
-        handover = _Handover(len(self.graph.outputs))
+        handover = _Handover(self.graph.outputs, self._read_by_backward)
         outputs = list(_ScheduleFunction.apply(runner, handover, *tensors, *parameters))
+        handover.versions = [output._version for output in outputs]
         # a tensor the model returns several times is one object, behind one gate, as in eager:
         # the engine sums its gradients in that gate's buffer as they come (separate gates would
         # hold them all at once)

@@ -687,6 +687,24 @@ def _raised_by_data_dependence(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
+def _distribution_checks_off():
+    """Capture with ``torch.distributions``' argument checks off by default (a VAE's
+    ``Normal(mu, std).rsample()``): each check is ``if not constraint.check(value).all(): raise``,
+    a branch on tensor values that export cannot follow, and it computes nothing the graph needs
+    (the same values either way; the compiled module does not raise where eager would on a
+    non-finite or negative scale). A distribution built with ``validate_args=True`` still
+    checks, and fails to capture."""
+    from torch.distributions import Distribution
+
+    default = Distribution._validate_args
+    Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        Distribution.set_default_validate_args(default)
+
+
+@contextlib.contextmanager
 def _host_random_draws(model: nn.Module):
     """Refuse a forward that draws from numpy's or Python's global generator while it is
     captured (transformers' SpecAugment masks in Wav2Vec2, HuBERT, Whisper: ``np.random`` in
@@ -1050,7 +1068,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
                 contextlib.redirect_stdout(printed), watch, functions, hooks:
             warnings.simplefilter("ignore", FutureWarning)
-            with _host_random_draws(model):
+            with _host_random_draws(model), _distribution_checks_off():
                 exported = _export_along_eager_paths(model, args, printed)
             inplace = user_inplace_ops(exported.graph)
             without_grad = _no_grad_regions(exported.graph)

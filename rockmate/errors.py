@@ -24,18 +24,17 @@ class InfeasibleBudget(ValueError):
         self.solver = solver
         self.floor = floor
         self.floor_operation = floor_operation
+        given = share = ""
+        if asked is not None:  # (the fraction as given, the peak without recomputation it is of)
+            fraction, baseline = asked
+            given = f" ({fraction!r} of the {baseline} bytes that the plan without recomputation peaks at)"
+            share = "" if minimum is None else f", {minimum / baseline:.1%} of that peak"
         if minimum is None:
             detail = "no budget is feasible for this solver"
         else:
-            detail = f"the minimum budget for solver {solver!r} is {minimum} bytes ({format_bytes(minimum)})"
+            detail = f"the minimum budget for solver {solver!r} is {minimum} bytes ({format_bytes(minimum)}){share}"
         if floor is not None:
             detail += (f"; no plan that runs the model's operations as eager PyTorch does goes below {floor} "
                        f"bytes ({format_bytes(floor)}), which {floor_operation or 'one operation'} needs on its own "
                        "(with the gradients alive at that point): below it, recomputation cannot help")
-        given = ""
-        if asked is not None:  # (the fraction as given, the peak without recomputation it is of)
-            fraction, baseline = asked
-            given = f" ({fraction!r} of the {baseline} bytes that the plan without recomputation peaks at)"
-            if minimum is not None:
-                detail += f", {minimum / baseline:.1%} of that peak"
         super().__init__(f"budget of {budget} bytes ({format_bytes(budget)}){given} is infeasible: {detail}")

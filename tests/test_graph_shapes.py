@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from exactness import check_training
-from rockmate import CaptureError, Rockmate, UnsupportedOperation
+from rockmate import CaptureError, Rockmate, UnsupportedOperation, min_budget
 
 
 class ReturnsReused(nn.Module):
@@ -329,6 +329,50 @@ def test_two_backwards_from_one_loss_without_retain_graph_are_a_clear_error():
         loss.backward()
     for p, q in zip(reference.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class _TwoHeads(nn.Module):
+    """Two outputs: a linear's (its backward does not read it) and a tanh's (saved for its own
+    backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.left, self.right = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.trunk(x))
+        return self.left(h), torch.tanh(self.right(h))
+
+
+@pytest.mark.parametrize("at_minimum", [False, True])
+def test_outputs_written_in_place_by_the_user(at_minimum):
+    """The outputs were views made in a custom Function: any in-place write (``F.relu(out,
+    inplace=True)``, ``out += 1``) raised torch's "Output 0 of _OutputGate is a view and is
+    being modified inplace", where eager allows it. Now an output whose values the plan's backward
+    does not read may be written (bitwise eager's gradients); one it reads (a tanh's result,
+    saved for its backward) is a clear error at the backward, as eager's "modified by an inplace
+    operation"."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    budget = min_budget(model, x, cost_model="flops") if at_minimum else 10**9
+    compiled = Rockmate(model, x, budget, cost_model="flops")
+    for module in (reference, compiled):
+        left, right = module(x)
+        left += 1
+        torch.nn.functional.relu(left, inplace=True)
+        (left.square().sum() + right.sum()).backward()
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        reference(x)[1].mul_(2).sum().backward()
+    left, right = compiled(x)
+    right.mul_(2)
+    with pytest.raises(RuntimeError, match=r"^Rockmate: output 1 of the compiled module \('tanh'\) was modified by "
+                                           r"an in-place operation after the forward returned it, and the plan's "
+                                           r"backward reads its values"):
+        (left.sum() + right.sum()).backward()
 
 
 class _LayerDrop(nn.Module):
