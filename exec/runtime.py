@@ -205,6 +205,14 @@ class _OutputGate(torch.autograd.Function):
         return None, None, None
 
 
+def _has_submodule(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def _check_outputs_unchanged(handover: _Handover, outputs: Sequence[torch.Tensor]) -> None:
     """Refuse a backward whose plan reads the values of an output that was written in place
     after the forward returned it (eager raises too where its backward saved that tensor:
@@ -447,6 +455,13 @@ class CompiledModule(nn.Module):
         # (placeholder, owning module, attribute) of every parameter, buffer
         self._parameter_refs = [(name, *self._owner_of(path)) for name, path in captured.parameters.items()]
         self._buffer_refs = [(name, *self._owner_of(path)) for name, path in captured.buffers.items()]
+        # plain tensor attributes (not parameters nor buffers) behind constant placeholders
+        self._constant_refs = []
+        for name, path in getattr(captured, "constant_paths", {}).items():
+            module_path, _, attribute = path.rpartition(".")
+            module = self.model.get_submodule(module_path) if _has_submodule(self.model, module_path) else None
+            if module is not None and getattr(module, attribute, None) is captured.constants[name]:
+                self._constant_refs.append((name, module, attribute))
         self._runners: dict[tuple, _Runner] = {}
         # the dtype and device of each parameter and buffer at build time: the plan's sizes and
         # kernels are theirs (a model cast or moved afterwards needs a new plan)
@@ -582,7 +597,8 @@ class CompiledModule(nn.Module):
         return outputs[0]
 
     def _bind_globals(self, runner: _Runner) -> None:
-        """Bind the current parameter and buffer tensors (a module may have replaced one)."""
+        """Bind the current parameter, buffer and tensor-attribute tensors (a module may have
+        replaced one)."""
         namespace = runner.code.globals
         for name, module, attribute in self._parameter_refs:
             namespace[name] = getattr(module, attribute)
@@ -590,3 +606,21 @@ class CompiledModule(nn.Module):
             namespace[name] = getattr(module, attribute)
         for name, value in self.graph.captured.constants.items():
             namespace[name] = value
+        for name, module, attribute in self._constant_refs:
+            namespace[name] = self._current_constant(name, getattr(module, attribute, None))
+
+    def _current_constant(self, name: str, value) -> torch.Tensor:
+        """A plain tensor attribute of the model as it is now (the user may have replaced the
+        tensor the capture read: ``model.scale = new``), where it is like the captured one."""
+        captured = self.graph.captured.constants[name]
+        if value is captured:
+            return value
+        path = self.graph.captured.constant_paths[name]
+        if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != \
+                (captured.shape, captured.dtype, captured.device):
+            described = f"a tensor of shape {list(value.shape)}, {value.dtype}, {value.device}" \
+                if isinstance(value, torch.Tensor) else repr(type(value).__name__)
+            raise ValueError(
+                f"Rockmate: the model's tensor attribute {path!r} is now {described}; the plan was made for a "
+                f"tensor of shape {list(captured.shape)}, {captured.dtype}, {captured.device}: build Rockmate again")
+        return value

@@ -34,7 +34,7 @@ import os
 import sys
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch._inductor.config  # noqa: F401 - fallback_random, see capture()
@@ -71,6 +71,9 @@ class CapturedGraph:
     buffer_mutations: dict[str, str]
     output_is_tuple: bool
     out_spec: object = None
+    # constant placeholders that are plain tensor attributes of the model -> their paths (not
+    # a parameter nor a buffer: ``self.scale = torch.ones(d)``), which the user may replace
+    constant_paths: dict[str, str] = field(default_factory=dict)
 
     def placeholder_values(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The current tensors behind the parameter, buffer and constant placeholders."""
@@ -1147,6 +1150,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
     parameters: dict[str, str] = {}
     buffers: dict[str, str] = {}
     constants: dict[str, torch.Tensor] = {}
+    constant_paths: dict[str, str] = {}
     user_inputs: list[str] = []
     for spec in signature.input_specs:
         name = spec.arg.name
@@ -1156,6 +1160,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             buffers[name] = spec.target
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             constants[name] = exported.constants[spec.target]
+            constant_paths[name] = spec.target
         elif spec.kind is InputKind.USER_INPUT:
             user_inputs.append(name)
         else:
@@ -1194,6 +1199,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         parameters=parameters,
         buffers=buffers,
         constants=constants,
+        constant_paths=constant_paths,
         inputs=inputs,
         user_outputs=user_outputs,
         buffer_mutations=buffer_mutations,

@@ -33,6 +33,7 @@ from solvers.option_cache import default_directory
 from solvers.bounds import operation_floor
 from solvers.schedule import Plan
 
+from .attributes import ModuleAttributes
 from .budget import budget_fraction, format_bytes, parse_budget
 from .errors import InfeasibleBudget
 from .signature import CallSignature, FlatModel, split_sample
@@ -177,6 +178,8 @@ class Rockmate(nn.Module):
             module, self.graphs.simplified, plan.schedule, flat_sample,
             cdgraph=whole, peak_limit=plan.predicted_peak - plan.held_bytes, first_run_bytes=plan.first_run_bytes,
         )
+        # the Python values that the captured graph holds (a change plans again: _variant)
+        self._attributes = ModuleAttributes.of(model)
         # the state_dict is the model's, under the model's own keys: it loads into the model
         # (and the model's into this module), as the user saves and restores checkpoints
         self.register_state_dict_post_hook(_as_model_keys)
@@ -220,33 +223,50 @@ class Rockmate(nn.Module):
         ``torch.compile`` of a model around this module runs it as it is (a graph break): its
         schedule frees and recomputes tensors, which a compiled graph would not do."""
         flat = self._flat_inputs(args, kwargs)
-        if self.training and torch.is_grad_enabled() and self.compiled.differs_only_in_shapes(flat):
-            return self._variant(flat, args, kwargs)(*args, **kwargs)
+        if self.training and torch.is_grad_enabled():
+            changed = self._attributes.changed()
+            if changed or self.compiled.differs_only_in_shapes(flat):
+                return self._variant(flat, args, kwargs, changed)(*args, **kwargs)
         return self._structured(self.compiled(*flat))
 
-    def _variant(self, flat: tuple, args: tuple, kwargs: dict) -> "Rockmate":
-        """The plan for a call whose tensors have other shapes than the sample's: made at the
-        first such call (with the same model, budget, solver and options, this call's inputs as
-        the sample), with a warning, then reused. A new shape needs a new plan (sizes, and so
-        the schedule, change); the last batch of an epoch is the usual case."""
+    def _variant(self, flat: tuple, args: tuple, kwargs: dict, changed: list) -> "Rockmate":
+        """The plan for a call whose tensors have other shapes than the sample's, or for new
+        values of the model's Python attributes (``changed``: a temperature, a dropout's ``p``,
+        which the captured graph holds as constants): made at the first such call (with the
+        same model, budget, solver and options, this call's inputs as the sample), with a
+        warning, then reused. A new shape needs a new plan (sizes, and so the schedule, change);
+        the last batch of an epoch is the usual case."""
         shapes = tuple(tuple(value.shape) for value in flat if isinstance(value, torch.Tensor))
-        variant = self._variants.get(shapes)
+        key = (shapes, self._attributes.key())
+        variant = self._variants.get(key)
         if variant is None:
             began = time.perf_counter()
             recipe = self._recipe
+            sample = [list(shape) for shape in self.compiled.sample_tensors_shapes()]
+            what = (f"inputs of shapes {list(map(list, shapes))} where the sample's are {sample}"
+                    if list(map(list, shapes)) != sample else "")
+            if changed:
+                values = ", ".join(f"{path} = {now!r} (built with {old!r})" for path, old, now in changed[:3])
+                what += (" and " if what else "") + f"new values of the model's attributes: {values}"
             if not isinstance(recipe["solver"], str):
-                raise ValueError(
-                    f"Rockmate: called with inputs of shapes {list(map(list, shapes))}, unlike the sample's; a "
-                    "Rockmate built with a solver object cannot plan again: build one for these shapes")
+                raise ValueError(f"Rockmate: called with {what}; a Rockmate built with a solver object cannot plan "
+                                 "again: build one for this call")
+            if len(self._variants) >= _MOST_VARIANTS:
+                raise RuntimeError(
+                    f"Rockmate: called with {what}, after {_MOST_VARIANTS} plans for other calls already: a value "
+                    "that changes at every step (an annealed temperature) would be planned again at every step. "
+                    "Keep such a value in a tensor the forward reads (register_buffer), which the plan reads "
+                    "as it is at each call")
             variant = _rebuilt(self.model, (args, kwargs), recipe["budget"], recipe["solver"], recipe["options"],
                                self.training)
-            self._variants[shapes] = variant
-            sample = [list(shape) for shape in self.compiled.sample_tensors_shapes()]
+            self._variants[key] = variant
             warnings.warn(
-                f"Rockmate: called with inputs of shapes {list(map(list, shapes))} where the sample's are {sample}: "
-                f"planned again for them, within the same budget ({time.perf_counter() - began:.1f} s; each new "
-                "shape is planned once, then reused). A last smaller batch does this once per run; "
-                "drop_last=True, or padding to the sample's shapes, avoids it", UserWarning, stacklevel=3)
+                f"Rockmate: called with {what}: planned again, within the same budget "
+                f"({time.perf_counter() - began:.1f} s; each is planned once, then reused). "
+                + ("A last smaller batch does this once per run; drop_last=True, or padding to the sample's "
+                   "shapes, avoids it. " if "shapes" in what else "")
+                + ("The captured graph holds the Python values its forward read; a value that changes often "
+                   "is better kept in a tensor (register_buffer)" if changed else ""), UserWarning, stacklevel=3)
         return variant
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> tuple:
@@ -348,6 +368,11 @@ def _errors_in_model_keys(module: "Rockmate", incompatible) -> None:
     inner = module._inner_prefix()
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = [key.replace(inner, "", 1) for key in keys]
+
+
+# the most plans one Rockmate makes for other shapes and attribute values (torch.compile's
+# recompile limit is 8 too)
+_MOST_VARIANTS = 8
 
 
 def _rebuilt(model: nn.Module, call: tuple, budget, solver: str, options: dict, training: bool) -> "Rockmate":

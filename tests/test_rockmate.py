@@ -167,6 +167,65 @@ def test_calls_with_other_shapes_are_planned_again_within_the_budget():
     assert len(compiled._variants) == 1
 
 
+class _Tempered(torch.nn.Module):
+    """Python values the forward reads, which export bakes into the graph: a temperature, a
+    dropout's p; and a plain tensor attribute (not a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.dropout = torch.nn.Dropout(0.1)
+        self.temperature = 1.0
+        self.scale = torch.ones(16)
+
+    def forward(self, x):
+        return self.head(self.dropout(torch.relu(self.linear(x)) * self.scale)) / self.temperature
+
+
+def test_new_values_of_python_attributes_are_planned_again(monkeypatch):
+    """A temperature or a dropout's p changed after building trained silently on the build's
+    value (export holds them as constants); a tensor attribute replaced, on the old tensor. Now
+    a change of a module's simple attribute plans again (a warning, once per new value) and a
+    replaced tensor attribute is read as it is now; bitwise eager's at every step."""
+    import warnings
+
+    import rockmate.api
+
+    torch.manual_seed(0)
+    model = _Tempered()
+    reference = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    compiled = Rockmate(model, x, 10**9, cost_model="flops")
+    changes = [lambda m: None, lambda m: setattr(m, "temperature", 2.0),
+               lambda m: setattr(m.dropout, "p", 0.5), lambda m: setattr(m, "scale", torch.full((16,), 3.0)),
+               lambda m: (setattr(m, "temperature", 1.0), setattr(m.dropout, "p", 0.1))]
+    planned_again = []
+    for step, change in enumerate(changes):
+        change(model)
+        change(reference)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(step)
+            compiled(x).square().sum().backward()
+        planned_again.append([str(w.message) for w in caught if "planned again" in str(w.message)])
+        torch.manual_seed(step)
+        reference(x).square().sum().backward()
+        for a, b in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(a.grad, b.grad), f"step {step}"
+    # (the temperature, then p, each a new plan; a new tensor needs none; back to the build's
+    # values: the first plan)
+    assert [len(messages) for messages in planned_again] == [0, 1, 1, 0, 0]
+    assert "new values of the model's attributes: temperature = 2.0 (built with 1.0)" in planned_again[1][0]
+    assert "dropout.p = 0.5 (built with 0.1)" in planned_again[2][0]
+    monkeypatch.setattr(rockmate.api, "_MOST_VARIANTS", 2)
+    model.temperature = 3.0
+    with pytest.raises(RuntimeError, match=r"after 2 plans for other calls already.*register_buffer"):
+        compiled(x)
+    model.temperature, model.scale = 1.0, torch.ones(8)
+    with pytest.raises(ValueError, match=r"tensor attribute 'scale' is now a tensor of shape \[8\]"):
+        compiled(x)
+
+
 def test_torch_compile_runs_the_plan_as_it_is():
     """``torch.compile`` of a model around Rockmate crashed inside the executor (dynamo traced
     its bookkeeping); the module is now a graph break: the plan runs as it is, exact."""
