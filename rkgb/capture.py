@@ -641,6 +641,9 @@ class _ForwardWatch(TorchFunctionMode):
     The user's line of a call where export meets a data-dependent value (``blamed``): torch
     blames the first frame outside torch, which is this mode's.
 
+    Whether the forward packs sequences (``packed``: ``nn.utils.rnn.pack_padded_sequence``,
+    whose layout follows the lengths' values), for the error's hint.
+
     Trained tensors that are not the model's parameters nor the sample's (``outside``; ``known``:
     their ids): export would lift them as constants, without gradients.
     """
@@ -650,6 +653,7 @@ class _ForwardWatch(TorchFunctionMode):
         self.draws: dict[int, weakref.ref] = {}  # by id: a tensor's == would be traced
         self.undecided: list[str] = []  # the comparisons it could not decide (for the error)
         self.blamed: str | None = None
+        self.packed = False  # the forward packed sequences (nn.utils.rnn.pack_padded_sequence)
         self.outside: dict[int, str] = {}  # by id: the first user line reading each
         self.known = known
 
@@ -660,6 +664,7 @@ class _ForwardWatch(TorchFunctionMode):
                     and id(value) not in self.outside and id(value) not in self.known and not _is_fake(value):
                 self.outside[id(value)] = f"{type(value).__name__} of shape {list(value.shape)} at {_user_line()}"
         name = getattr(func, "__name__", "").strip("_")
+        self.packed |= name == "pack_padded_sequence"
         if name in _DECIDED and len(args) == 2 and isinstance(args[0], torch.Tensor) \
                 and isinstance(args[1], (int, float)) and not isinstance(args[1], bool) \
                 and self.draws.get(id(args[0]), lambda: None)() is args[0]:
@@ -1096,6 +1101,10 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             hint = (f"\nThe forward branches on {watch.undecided[-1]} (a LayerDrop, as in transformers' "
                     "BART and Whisper?): which layers run is random, a graph cannot follow it; set the drop "
                     "probability to 0 (e.g. config.encoder_layerdrop = config.decoder_layerdrop = 0.0).")
+        elif watch.packed:
+            hint = ("\nThe forward packs sequences (torch.nn.utils.rnn.pack_padded_sequence): a packed batch's "
+                    "layout depends on the values of the lengths, which a graph cannot follow; run the RNN on the "
+                    "padded batch and mask the padded steps' outputs instead.")
         raise CaptureError(
             f"torch.export could not capture {_model_name(model)}: {type(error).__name__}: "
             f"{summary}\nRockmate needs a model that torch.export.export(model, sample, "

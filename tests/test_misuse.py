@@ -344,6 +344,22 @@ def test_a_caught_data_dependent_guard_is_not_blamed_for_another_error():
     assert "y.sum() > 0" not in str(raised.value)
 
 
+class _PackedLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0]
+
+
+def test_packed_sequences_are_a_clear_error():
+    # (export failed deep in nn.LSTM: "zeros(): argument 'size' ... got FakeTensor")
+    with pytest.raises(CaptureError, match=r"packs sequences.*run the RNN on the padded batch"):
+        _compiled(_PackedLSTM(), (torch.randn(3, 5, 8), torch.tensor([5, 3, 2])))
+
+
 class _PythonRandomMask(nn.Module):
     def __init__(self) -> None:
         super().__init__()
