@@ -224,6 +224,14 @@ class Rockmate(nn.Module):
         schedule frees and recomputes tensors, which a compiled graph would not do."""
         flat = self._flat_inputs(args, kwargs)
         if self.training and torch.is_grad_enabled():
+            hooked = self._attributes.hooked()
+            if hooked is not None:
+                path, kind = hooked
+                where = f"module {path!r} of the model" if path else "the model"
+                raise RuntimeError(
+                    f"Rockmate: {where} has {kind}, registered after Rockmate was built: the "
+                    "compiled module runs the captured graph, not the modules' forward methods, so they would "
+                    "never run. Register them on the Rockmate module itself, or remove them while training")
             changed = self._attributes.changed()
             if changed or self.compiled.differs_only_in_shapes(flat):
                 return self._variant(flat, args, kwargs, changed)(*args, **kwargs)

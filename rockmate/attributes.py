@@ -40,23 +40,38 @@ def _same(a, b) -> bool:
     return a == b
 
 
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
 @dataclass
 class ModuleAttributes:
-    """The simple public attributes of a model's modules: (module path, name) -> value."""
+    """The simple public attributes of a model's modules: (module path, name) -> value; and
+    the modules themselves (``every``: path -> module), to tell hooks registered later."""
 
     values: dict[tuple[str, str], object]
     modules: dict[str, nn.Module]
+    every: dict[str, nn.Module]
 
     @classmethod
     def of(cls, model: nn.Module) -> "ModuleAttributes":
         values: dict[tuple[str, str], object] = {}
         modules: dict[str, nn.Module] = {}
-        for path, module in model.named_modules(remove_duplicate=True):
+        every = dict(model.named_modules(remove_duplicate=True))
+        for path, module in every.items():
             for name, value in vars(module).items():
                 if not name.startswith("_") and name != "training" and _is_simple(value):
                     values[(path, name)] = _frozen(value)
                     modules[path] = module
-        return cls(values, modules)
+        return cls(values, modules, every)
+
+    def hooked(self) -> tuple[str, str] | None:
+        """A module of the model with forward or backward hooks (registered after the capture,
+        which refuses them) and the kind: (path, kind), or None."""
+        for path, module in self.every.items():
+            for kind in _HOOKS:
+                if getattr(module, kind, None):
+                    return path, kind[1:].replace("_", " ")
+        return None
 
     def changed(self) -> list[tuple[str, object, object]]:
         """The recorded attributes whose values differ now: (dotted path, recorded, now)."""

@@ -344,6 +344,23 @@ def test_a_caught_data_dependent_guard_is_not_blamed_for_another_error():
     assert "y.sum() > 0" not in str(raised.value)
 
 
+def test_module_hooks_registered_after_building_are_a_clear_error():
+    """A forward hook on a submodule (logging activations) registered after building was never
+    called, silently; hooks on the Rockmate module itself run as on any module."""
+    model = _mlp()
+    compiled = _compiled(model)
+    calls = []
+    compiled.register_forward_hook(lambda module, inputs, output: calls.append("compiled"))
+    compiled(X).sum().backward()
+    handle = model[0].register_forward_hook(lambda module, inputs, output: calls.append("inner"))
+    with pytest.raises(RuntimeError, match=r"module '0' of the model has forward hooks, registered after "
+                                           r"Rockmate was built.*never run"):
+        compiled(X)
+    handle.remove()
+    compiled(X).sum().backward()
+    assert calls == ["compiled", "compiled"]
+
+
 class _PackedLSTM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
