@@ -33,7 +33,7 @@ from solvers.option_cache import default_directory
 from solvers.bounds import operation_floor
 from solvers.schedule import Plan
 
-from .attributes import ModuleAttributes
+from .model_state import ModelState
 from .budget import budget_fraction, format_bytes, parse_budget
 from .errors import InfeasibleBudget
 from .signature import CallSignature, FlatModel, split_sample
@@ -178,8 +178,8 @@ class Rockmate(nn.Module):
             module, self.graphs.simplified, plan.schedule, flat_sample,
             cdgraph=whole, peak_limit=plan.predicted_peak - plan.held_bytes, first_run_bytes=plan.first_run_bytes,
         )
-        # the Python values that the captured graph holds (a change plans again: _variant)
-        self._attributes = ModuleAttributes.of(model)
+        # what the captured graph holds of the model (a change plans again: _variant)
+        self._state = ModelState.of(model)
         # the state_dict is the model's, under the model's own keys: it loads into the model
         # (and the model's into this module), as the user saves and restores checkpoints
         self.register_state_dict_post_hook(_as_model_keys)
@@ -224,7 +224,7 @@ class Rockmate(nn.Module):
         schedule frees and recomputes tensors, which a compiled graph would not do."""
         flat = self._flat_inputs(args, kwargs)
         if self.training and torch.is_grad_enabled():
-            hooked = self._attributes.hooked()
+            hooked = self._state.hooked()
             if hooked is not None:
                 path, kind = hooked
                 where = f"module {path!r} of the model" if path else "the model"
@@ -232,7 +232,7 @@ class Rockmate(nn.Module):
                     f"Rockmate: {where} has {kind}, registered after Rockmate was built: the "
                     "compiled module runs the captured graph, not the modules' forward methods, so they would "
                     "never run. Register them on the Rockmate module itself, or remove them while training")
-            changed = self._attributes.changed()
+            changed = self._state.changed()
             if changed or self.compiled.differs_only_in_shapes(flat):
                 return self._variant(flat, args, kwargs, changed)(*args, **kwargs)
         return self._structured(self.compiled(*flat))
@@ -245,7 +245,7 @@ class Rockmate(nn.Module):
         warning, then reused. A new shape needs a new plan (sizes, and so the schedule, change);
         the last batch of an epoch is the usual case."""
         shapes = tuple(tuple(value.shape) for value in flat if isinstance(value, torch.Tensor))
-        key = (shapes, self._attributes.key())
+        key = (shapes, self._state.key())
         variant = self._variants.get(key)
         if variant is None:
             began = time.perf_counter()
@@ -254,8 +254,8 @@ class Rockmate(nn.Module):
             what = (f"inputs of shapes {list(map(list, shapes))} where the sample's are {sample}"
                     if list(map(list, shapes)) != sample else "")
             if changed:
-                values = ", ".join(f"{path} = {now!r} (built with {old!r})" for path, old, now in changed[:3])
-                what += (" and " if what else "") + f"new values of the model's attributes: {values}"
+                values = ", ".join(_change(*change) for change in changed[:3])
+                what += (" and " if what else "") + f"a model changed since the build: {values}"
             if not isinstance(recipe["solver"], str):
                 raise ValueError(f"Rockmate: called with {what}; a Rockmate built with a solver object cannot plan "
                                  "again: build one for this call")
@@ -273,8 +273,9 @@ class Rockmate(nn.Module):
                 f"({time.perf_counter() - began:.1f} s; each is planned once, then reused). "
                 + ("A last smaller batch does this once per run; drop_last=True, or padding to the sample's "
                    "shapes, avoids it. " if "shapes" in what else "")
-                + ("The captured graph holds the Python values its forward read; a value that changes often "
-                   "is better kept in a tensor (register_buffer)" if changed else ""), UserWarning, stacklevel=3)
+                + ("The captured graph holds the modules, shapes and Python values its forward read; a value "
+                   "that changes often is better kept in a tensor (register_buffer)" if changed else ""),
+                UserWarning, stacklevel=3)
         return variant
 
     def _flat_inputs(self, args: tuple, kwargs: dict) -> tuple:
@@ -376,6 +377,13 @@ def _errors_in_model_keys(module: "Rockmate", incompatible) -> None:
     inner = module._inner_prefix()
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = [key.replace(inner, "", 1) for key in keys]
+
+
+def _change(what: str, then, now) -> str:
+    """One change of :meth:`ModelState.changed`, in words."""
+    if what.startswith("module "):
+        return f"{what} is {'now a ' + now if now != 'nothing' else 'gone'} (built with {then})"
+    return f"{what} = {now!r} (built with {then!r})"
 
 
 # the most plans one Rockmate makes for other shapes and attribute values (torch.compile's

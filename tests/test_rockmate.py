@@ -174,12 +174,12 @@ class _Tempered(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.linear, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-        self.dropout = torch.nn.Dropout(0.1)
+        self.dropout, self.act = torch.nn.Dropout(0.1), torch.nn.ReLU()
         self.temperature = 1.0
         self.scale = torch.ones(16)
 
     def forward(self, x):
-        return self.head(self.dropout(torch.relu(self.linear(x)) * self.scale)) / self.temperature
+        return self.head(self.dropout(self.act(self.linear(x)) * self.scale)) / self.temperature
 
 
 def test_new_values_of_python_attributes_are_planned_again(monkeypatch):
@@ -196,9 +196,12 @@ def test_new_values_of_python_attributes_are_planned_again(monkeypatch):
     reference = copy.deepcopy(model)
     x = torch.randn(6, 8)
     compiled = Rockmate(model, x, 10**9, cost_model="flops")
+    wider = torch.nn.Linear(16, 6)
     changes = [lambda m: None, lambda m: setattr(m, "temperature", 2.0),
                lambda m: setattr(m.dropout, "p", 0.5), lambda m: setattr(m, "scale", torch.full((16,), 3.0)),
-               lambda m: (setattr(m, "temperature", 1.0), setattr(m.dropout, "p", 0.1))]
+               lambda m: (setattr(m, "temperature", 1.0), setattr(m.dropout, "p", 0.1)),
+               lambda m: setattr(m, "act", torch.nn.GELU()),  # a module replaced: another graph
+               lambda m: setattr(m, "head", copy.deepcopy(wider))]  # parameters of other shapes
     planned_again = []
     for step, change in enumerate(changes):
         change(model)
@@ -214,14 +217,16 @@ def test_new_values_of_python_attributes_are_planned_again(monkeypatch):
             assert torch.equal(a.grad, b.grad), f"step {step}"
     # (the temperature, then p, each a new plan; a new tensor needs none; back to the build's
     # values: the first plan)
-    assert [len(messages) for messages in planned_again] == [0, 1, 1, 0, 0]
-    assert "new values of the model's attributes: temperature = 2.0 (built with 1.0)" in planned_again[1][0]
+    assert [len(messages) for messages in planned_again] == [0, 1, 1, 0, 0, 1, 1]
+    assert "a model changed since the build: temperature = 2.0 (built with 1.0)" in planned_again[1][0]
     assert "dropout.p = 0.5 (built with 0.1)" in planned_again[2][0]
+    assert "module 'act' is now a GELU (built with ReLU)" in planned_again[5][0]
+    assert "module 'head' is now a Linear (built with Linear)" in planned_again[6][0]
     monkeypatch.setattr(rockmate.api, "_MOST_VARIANTS", 2)
     model.temperature = 3.0
     with pytest.raises(RuntimeError, match=r"after 2 plans for other calls already.*register_buffer"):
         compiled(x)
-    model.temperature, model.scale = 1.0, torch.ones(8)
+    model.temperature, model.scale = 1.0, torch.ones(8)  # (the last plan's state, another tensor)
     with pytest.raises(ValueError, match=r"tensor attribute 'scale' is now a tensor of shape \[8\]"):
         compiled(x)
 

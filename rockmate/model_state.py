@@ -1,0 +1,131 @@
+"""What a captured graph holds of the model beyond its tensors' values, to tell when it is stale.
+
+torch.export runs the forward in Python and bakes into the graph every Python value it reads (a
+temperature ``self.t`` in ``x / self.t``, a dropout's ``p``, a flag), the modules it calls (a
+layer replaced by another, ``model.act = nn.GELU()``) and the shapes of the parameters and
+buffers (``resize_token_embeddings``). A user who changes one after building would train
+silently on the build's graph (or past its memory plan). :class:`ModelState` records them: the
+simple attributes of every module (numbers, strings, booleans, None, tuples and lists of them;
+not ``training``, which ``eval()`` switches, nor private ones), the modules by path, and the
+shapes; :class:`rockmate.Rockmate` plans again for a changed model, as ``torch.compile``
+recompiles when a guard fails. It also tells module hooks registered after the build, which
+the compiled module would never call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["ModelState"]
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def _is_simple(value, depth: int = 0) -> bool:
+    if isinstance(value, _SIMPLE):
+        return True
+    if isinstance(value, (tuple, list)) and depth < 2 and len(value) <= 16:
+        return all(_is_simple(item, depth + 1) for item in value)
+    return False
+
+
+def _same(a, b) -> bool:
+    """Equal values of the same type (two NaNs are the same value)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+@dataclass
+class ModelState:
+    """A model as its captured graph saw it: ``values``, (module path, name) -> the simple
+    attributes' values; ``modules``, path -> module (every module, by identity); ``shapes``,
+    the parameters' and buffers' paths -> shapes."""
+
+    model: nn.Module
+    values: dict[tuple[str, str], object]
+    modules: dict[str, nn.Module]
+    shapes: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelState":
+        values: dict[tuple[str, str], object] = {}
+        modules = dict(model.named_modules(remove_duplicate=True))
+        for path, module in modules.items():
+            for name, value in vars(module).items():
+                if not name.startswith("_") and name != "training" and _is_simple(value):
+                    values[(path, name)] = _frozen(value)
+        return cls(model, values, modules, _shapes(model))
+
+    def hooked(self) -> tuple[str, str] | None:
+        """A module of the model with forward or backward hooks (registered after the capture,
+        which refuses them) and the kind: (path, kind), or None."""
+        for path, module in self.modules.items():
+            for kind in _HOOKS:
+                if getattr(module, kind, None):
+                    return path, kind[1:].replace("_", " ")
+        return None
+
+    def changed(self) -> list[tuple[str, object, object]]:
+        """What differs now from the build: (what, then, now) for each attribute with another
+        value, each module replaced, added or removed, each parameter or buffer of another
+        shape."""
+        changes: list[tuple[str, object, object]] = []
+        now_modules = dict(self.model.named_modules(remove_duplicate=True))
+        for path in self.modules.keys() | now_modules.keys():
+            then, now = self.modules.get(path), now_modules.get(path)
+            if then is not now:
+                changes.append((f"module {path!r}", _kind(then), _kind(now)))
+        if changes:
+            return changes  # (attributes of modules that are not there any more: not compared)
+        missing = object()
+        for (path, name), value in self.values.items():
+            now = vars(self.modules[path]).get(name, missing)
+            if now is missing or not _same(value, _frozen(now)):
+                changes.append((f"{path}.{name}" if path else name, value, None if now is missing else now))
+        shapes = _shapes(self.model)
+        for path in self.shapes.keys() | shapes.keys():
+            if self.shapes.get(path) != shapes.get(path):
+                changes.append((f"the shape of {path!r}", _listed(self.shapes.get(path)), _listed(shapes.get(path))))
+        return changes
+
+    def key(self) -> tuple:
+        """The model as it is now, hashable: a plan's key among the plans for other states."""
+        modules = tuple((path, id(module)) for path, module in self.model.named_modules(remove_duplicate=True))
+        missing = object()
+        values = tuple(repr(vars(module).get(name, missing)) for (path, name), module in
+                       ((entry, self.modules[entry[0]]) for entry in self.values))
+        return modules, values, tuple(sorted(_shapes(self.model).items()))
+
+
+def _shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    found = {path: tuple(p.shape) for path, p in model.named_parameters(remove_duplicate=False)}
+    found.update({path: tuple(b.shape) for path, b in model.named_buffers(remove_duplicate=False)})
+    return found
+
+
+def _kind(module) -> str:
+    return "nothing" if module is None else type(module).__name__
+
+
+def _listed(shape):
+    return None if shape is None else list(shape)
+
+
+def _frozen(value):
+    """A copy that later changes of a list in place do not reach."""
+    if isinstance(value, list):
+        return [_frozen(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_frozen(item) for item in value)
+    return value
