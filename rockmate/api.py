@@ -72,7 +72,12 @@ def _split_options(options: dict) -> tuple[BuildOptions, dict]:
 
 @contextlib.contextmanager
 def _train_mode(model: nn.Module):
-    """Capture in train mode (the graph Rockmate runs is the training one)."""
+    """Capture in train mode (the graph Rockmate runs is the training one): a model in eval mode
+    as ``model.train()`` makes it; a model in train mode as it is (a BatchNorm frozen by its own
+    ``.eval()``, as fine-tuning does, stays frozen: eager trains it so)."""
+    if model.training:
+        yield
+        return
     modes = {module: module.training for module in model.modules()}
     model.train()
     try:
@@ -179,7 +184,7 @@ class Rockmate(nn.Module):
             cdgraph=whole, peak_limit=plan.predicted_peak - plan.held_bytes, first_run_bytes=plan.first_run_bytes,
         )
         # what the captured graph holds of the model (a change plans again: _variant)
-        self._state = ModelState.of(model)
+        self._state = ModelState.of(model, captured_in_train_mode=not model.training)
         # the state_dict is the model's, under the model's own keys: it loads into the model
         # (and the model's into this module), as the user saves and restores checkpoints
         self.register_state_dict_post_hook(_as_model_keys)
@@ -396,7 +401,9 @@ def _rebuilt(model: nn.Module, call: tuple, budget, solver: str, options: dict, 
     args, kwargs = call
     with torch.random.fork_rng(devices=[]):  # planning runs the model: leave the user's generator
         rebuilt = Rockmate(model, None, budget, solver, args=args, kwargs=kwargs, **options)
-    return rebuilt.train(training)
+    # (the module's own mode: the model's submodules keep theirs, a frozen BatchNorm its eval)
+    rebuilt.training = rebuilt.compiled.training = training
+    return rebuilt
 
 
 def _flat_call(model: nn.Module, sample, args, kwargs) -> tuple[CallSignature, nn.Module, tuple]:

@@ -6,8 +6,8 @@ layer replaced by another, ``model.act = nn.GELU()``) and the shapes of the para
 buffers (``resize_token_embeddings``). A user who changes one after building would train
 silently on the build's graph (or past its memory plan). :class:`ModelState` records them: the
 simple attributes of every module (numbers, strings, booleans, None, tuples and lists of them;
-not ``training``, which ``eval()`` switches, nor private ones), the modules by path, and the
-shapes; :class:`rockmate.Rockmate` plans again for a changed model, as ``torch.compile``
+not private ones; ``training`` of the submodules, a BatchNorm frozen by ``.eval()``, but not of
+the model itself, whose ``eval()`` runs the plain model), the modules by path, and the shapes; :class:`rockmate.Rockmate` plans again for a changed model, as ``torch.compile``
 recompiles when a guard fails. It also tells module hooks registered after the build, which
 the compiled module would never call.
 """
@@ -58,13 +58,15 @@ class ModelState:
     shapes: dict[str, tuple[int, ...]]
 
     @classmethod
-    def of(cls, model: nn.Module) -> "ModelState":
+    def of(cls, model: nn.Module, captured_in_train_mode: bool = False) -> "ModelState":
+        """``captured_in_train_mode``: the graph was captured after ``model.train()`` (a model
+        built in eval mode): every submodule's ``training`` recorded True."""
         values: dict[tuple[str, str], object] = {}
         modules = dict(model.named_modules(remove_duplicate=True))
         for path, module in modules.items():
             for name, value in vars(module).items():
-                if not name.startswith("_") and name != "training" and _is_simple(value):
-                    values[(path, name)] = _frozen(value)
+                if not name.startswith("_") and (name != "training" or path) and _is_simple(value):
+                    values[(path, name)] = True if name == "training" and captured_in_train_mode else _frozen(value)
         return cls(model, values, modules, _shapes(model))
 
     def hooked(self) -> tuple[str, str] | None:

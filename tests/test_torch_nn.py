@@ -143,3 +143,53 @@ def test_a_vae_with_torch_distributions(fraction):
     assert torch.distributions.Distribution._validate_args  # (the user's default, restored)
     assert check_training(_VariationalAutoencoder(), _inputs((64, 16)), fraction) is not None
     assert torch.distributions.Distribution._validate_args
+
+
+def _frozen_batch_norm_net() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.1),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    with torch.no_grad():
+        for norm in (model[1], model[5]):
+            norm.running_mean.uniform_(-1, 1)
+            norm.running_var.uniform_(0.5, 2)
+    return model
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_batch_norms_frozen_by_eval_while_training(fraction):
+    # fine-tuning freezes a BatchNorm's statistics with its own .eval() inside a model in train
+    # mode; the capture called model.train(), so the graph normalized with the batch's
+    # statistics and updated the running ones: wrong from the first step, silently
+    model = _frozen_batch_norm_net()
+    model[1].eval()
+    report = check_training(model, _inputs((2, 3, 8, 8)), fraction)
+    assert report is not None
+    assert not report.compiled.model[1].training and report.compiled.model[5].training
+
+
+def test_a_batch_norm_frozen_after_building_is_planned_again():
+    import copy
+    import warnings
+
+    from rockmate import Rockmate
+
+    model = _frozen_batch_norm_net()
+    reference = copy.deepcopy(model)
+    (x,) = _inputs((2, 3, 8, 8))
+    compiled = Rockmate(model, x, 10**9, cost_model="flops")
+    for step in range(3):
+        if step == 1:
+            model[5].eval()
+            reference[5].eval()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(step)
+            compiled(x).sum().backward()
+        assert any("5.training = False (built with True)" in str(w.message) for w in caught) == (step == 1)
+        torch.manual_seed(step)
+        reference(x).sum().backward()
+        for a, b in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(a.grad, b.grad)
+        for a, b in zip(model.buffers(), reference.buffers()):
+            assert torch.equal(a, b)
