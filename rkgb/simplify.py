@@ -392,6 +392,25 @@ def _reads_only_statistics_of(line: torch.fx.Node) -> bool:
     return line.target is torch.ops.aten._native_batch_norm_legit_functional.default and line.args[5] is True
 
 
+def _written_by_random_ops(graph: torch.fx.Graph) -> set[str]:
+    """fx names of the tensors that a random in-place op fills (``empty_like(x).bernoulli_(p)``,
+    dropout's mask), and the views down to them. Such a tensor is never static (recomputed in
+    each reader's prelude): a dropout of a value computed from constants alone (XLNet's
+    positional encoding, read by every layer) drew a new mask in each layer, where eager draws
+    one, and every later draw came from another generator state (silently other masks)."""
+    found: set[str] = set()
+    for fx_node in graph.nodes:
+        if fx_node.op != "call_function" or classify(fx_node) is not OpKind.INPLACE or not _is_random(fx_node):
+            continue
+        base = _aliased_argument(fx_node)
+        while isinstance(base, torch.fx.Node) and base.name not in found:
+            found.add(base.name)
+            if base.op != "call_function" or classify(base) not in (OpKind.VIEW, OpKind.INPLACE):
+                break
+            base = _aliased_argument(base)
+    return found
+
+
 def _is_random(node: torch.fx.Node) -> bool:
     """Whether ``node`` draws random numbers: its op's tag says so (a custom autograd.Function's
     operator too, rkgb.functions: its forward may)."""
@@ -460,6 +479,7 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
     trained = {node.name for node in graph.nodes if node.op == "placeholder" and node.name in parameters
                and getattr(node.meta.get("val"), "requires_grad", False)}
     trained_views: set[str] = set()  # static views of trained parameters
+    drawn_into = _written_by_random_ops(graph)
 
     for fx_node in graph.nodes:
         if fx_node.op == "placeholder":
@@ -579,6 +599,7 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         # layer reads): recomputed in each reader, its backward would run once per reader, where
         # eager sums the readers' gradients first (not bitwise: a scatter-add of each, summed)
         if not activation_inputs and not reads_model_input and not _is_random(fx_node) and not reads_trained \
+                and fx_node.name not in drawn_into \
                 and not (reads_integer_input and (reads_parameter or fx_node.name in captured.user_outputs)):
             static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
             if reads_integer_input:

@@ -427,6 +427,32 @@ def test_writes_into_a_static_value_are_recomputed_with_it():
     check_training(_ShiftRight(), (ids,), 0.0, at_minimum=True)
 
 
+class _DroppedPositions(nn.Module):
+    """XLNet's pattern: a sinusoidal positional encoding computed from constants alone, through
+    a dropout, read by every layer; more dropouts after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.dropout = nn.Dropout(0.2)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * torch.arange(16, dtype=x.dtype)
+        positions = self.dropout(torch.sin(positions / 16))
+        for layer in self.layers:
+            x = self.dropout(torch.tanh(layer(x + positions)))
+        return x
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_a_dropout_of_a_constant_value_read_by_every_layer_draws_once(fraction):
+    """Static values (computed from constants) are recomputed in each reader; a dropout's mask
+    filled in place into one was too: a new mask per layer, and every later draw from another
+    generator state (silently other masks from the second layer on)."""
+    check_training(_DroppedPositions(), (torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)),),
+                   fraction)
+
+
 def test_a_tensor_returned_twice_is_one_object_whose_gradients_the_engine_sums():
     """As in eager, ``return h, h`` gives the user one tensor twice (its hooks see the sum); its
     gradients are summed as they come, not held all at once beside their sum (fuzz seed 33:

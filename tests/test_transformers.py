@@ -132,6 +132,11 @@ MODELS = {
     "rwkv": lambda: _causal(T.RwkvForCausalLM(T.RwkvConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
         context_length=16, use_cache=False))),
+    # its positional encoding (computed from constants alone, read by every layer) goes through a
+    # dropout: drawn in every layer's island before, a new mask each, every later mask another
+    "xlnet": lambda: (T.XLNetLMHeadModel(T.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2,
+                                                        d_inner=64)),
+                      {"input_ids": _ids(), "labels": _ids(), "use_mems": False}),
     # SpecAugment off: its masks are drawn with numpy (see test_numpy_draws_in_the_forward_...)
     "wav2vec2": lambda: (T.Wav2Vec2Model(_wav2vec2_config(mask_time_prob=0.0)),
                          {"input_values": torch.randn(2, 800, generator=torch.Generator().manual_seed(0))}),
