@@ -933,6 +933,22 @@ def _refuse_sparse_gradients(graph: torch.fx.Graph) -> None:
                 "values, which a plan cannot know; build the embedding with sparse=False")
 
 
+def _refuse_value_dependent_shapes(graph: torch.fx.Graph) -> None:
+    """Raise :class:`UnsupportedOperation` at the first operation whose result's shape depends
+    on tensor values (export's unbacked sizes: ``torch.arange`` to a bound computed from a tensor,
+    ``nonzero``, a boolean mask's selection): a plan is made for fixed sizes (it failed deep in
+    the graph builder: "Could not extract specialized integer from data-dependent expression")."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "call_function" and isinstance(value, torch.Tensor) and free_unbacked_symbols(value):
+            raise UnsupportedOperation(
+                f"{describe_fx_node(node)} makes a tensor whose shape ({list(value.shape)}) depends on the values "
+                "of tensors: Rockmate plans for fixed sizes; compute such sizes from Python numbers or from the "
+                "inputs' shapes (not from tensors), or keep the full size and mask")
+
+
 def _function_call_error(error: BaseException) -> FunctionCallError | None:
     """The :class:`rkgb.functions.FunctionCallError` that ``error`` is or was raised from."""
     seen = set()
@@ -1138,6 +1154,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
             "(rkgb.functions), which takes tensors and constants as positional arguments: pass the others "
             "as constants, or replace the Function by plain tensor operations.")
     _refuse_sparse_gradients(exported.graph)
+    _refuse_value_dependent_shapes(exported.graph)
     detach_no_grad_results(exported.graph, without_grad, exported.graph_signature.output_specs)
     place_regenerated_views(exported.graph, traced)
     renamed: dict[str, str] = {}

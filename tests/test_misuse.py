@@ -361,6 +361,24 @@ def test_module_hooks_registered_after_building_are_a_clear_error():
     assert calls == ["compiled", "compiled"]
 
 
+class _MaskedSelection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h[h > 0]
+
+
+def test_shapes_that_depend_on_values_are_a_clear_error():
+    # (a boolean mask's selection: export gives it an unbacked size; the graph builder failed
+    # with torch's "Could not extract specialized integer from data-dependent expression")
+    with pytest.raises(UnsupportedOperation, match=r"aten.index .*test_misuse.py.* makes a tensor whose shape "
+                                                   r"\(\[u\d+\]\) depends on the values of tensors"):
+        _compiled(_MaskedSelection())
+
+
 class _PackedLSTM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
