@@ -447,6 +447,16 @@ def _tensor_output(fx_node: torch.fx.Node, value: torch.Tensor) -> TensorOutput:
     )
 
 
+class _WrittenFromActivations(Exception):
+    """A static value is written in place with values that carry gradients (``buf[:, 0] =
+    h[:, 0]`` into a ``zeros``): it is not static (``name``, its root), the simplification runs
+    again with it as a node."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 def simplify(captured: CapturedGraph) -> SimplifiedGraph:
     """Group the captured graph's operations into simplified nodes.
 
@@ -455,6 +465,21 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
             computed from tensor data, such as ``.item()``); the message names the op and the
             module path.
     """
+    not_static: set[str] = set()
+    while True:
+        try:
+            return _simplify(captured, frozenset(not_static))
+        except _WrittenFromActivations as written:
+            if written.name in not_static:  # (a value that stays static: a model input's view)
+                raise UnsupportedOperation(
+                    f"{written.name!r} is written in place with values computed from the inputs, and "
+                    "Rockmate cannot make it a node of its own; write into a clone instead") from None
+            not_static.add(written.name)
+
+
+def _simplify(captured: CapturedGraph, not_static: frozenset[str]) -> SimplifiedGraph:
+    """:func:`simplify`, with the values of ``not_static`` made nodes even where they read no
+    activation."""
     graph = captured.graph
     global_names = set(captured.parameters) | set(captured.buffers) | set(captured.constants)
     global_names |= {name for name in captured.inputs if name is not None}
@@ -479,7 +504,7 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
     trained = {node.name for node in graph.nodes if node.op == "placeholder" and node.name in parameters
                and getattr(node.meta.get("val"), "requires_grad", False)}
     trained_views: set[str] = set()  # static views of trained parameters
-    drawn_into = _written_by_random_ops(graph)
+    never_static = _written_by_random_ops(graph) | not_static
 
     for fx_node in graph.nodes:
         if fx_node.op == "placeholder":
@@ -524,6 +549,9 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         if kind in (OpKind.VIEW, OpKind.INPLACE, OpKind.GETITEM):
             base = fx_node.args[0] if kind is OpKind.GETITEM else _aliased_argument(fx_node)
             if base.name in static:
+                if kind is OpKind.INPLACE and (activation_inputs or reads_model_input or reads_trained):
+                    # (written with values that carry gradients: a node, recomputed as one)
+                    raise _WrittenFromActivations(static_root.get(base.name, base.name))
                 static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
                 root = static_root.get(base.name, base.name)
                 if kind is OpKind.INPLACE:
@@ -599,7 +627,7 @@ def simplify(captured: CapturedGraph) -> SimplifiedGraph:
         # layer reads): recomputed in each reader, its backward would run once per reader, where
         # eager sums the readers' gradients first (not bitwise: a scatter-add of each, summed)
         if not activation_inputs and not reads_model_input and not _is_random(fx_node) and not reads_trained \
-                and fx_node.name not in drawn_into \
+                and fx_node.name not in never_static \
                 and not (reads_integer_input and (reads_parameter or fx_node.name in captured.user_outputs)):
             static[fx_node.name] = _static_lines(static_inputs, static) + [fx_node]
             if reads_integer_input:

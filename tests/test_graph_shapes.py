@@ -453,6 +453,29 @@ def test_a_dropout_of_a_constant_value_read_by_every_layer_draws_once(fraction):
                    fraction)
 
 
+class _WrittenIntoZeros(nn.Module):
+    """Values that carry gradients written into a buffer made from constants alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        gate = torch.zeros(x.shape[0], x.shape[1])
+        gate[:, 0] = h[:, 0, 0]
+        return self.c(self.b(h) * gate[..., None]) + gate[..., None]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+def test_a_value_from_constants_written_with_activations_is_a_node(fraction):
+    """``gate = zeros(...); gate[:, 0] = h[:, 0, 0]``: the zeros were static (recomputed in each
+    reader) with the write among their lines, which reads an activation: a KeyError in the
+    inspection. Now such a value is a node, its gradient flows to ``h``."""
+    check_training(_WrittenIntoZeros(), (torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0)),),
+                   fraction)
+
+
 def test_a_tensor_returned_twice_is_one_object_whose_gradients_the_engine_sums():
     """As in eager, ``return h, h`` gives the user one tensor twice (its hooks see the sum); its
     gradients are summed as they come, not held all at once beside their sum (fuzz seed 33:
