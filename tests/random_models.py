@@ -11,7 +11,8 @@ frozen), 1-d and 2-d convolutions, activations (in place too), softmax, layer an
 dropout (unused too), residual sums and products of earlier values (``h * h + h``), cat, split
 and chunk, views and transposes, slicing and index assignment, matmuls, reductions, in-place
 updates of intermediates, a buffer counter updated then read, several outputs that may alias
-each other or the input, outputs that do not require grad, graphs without parameters.
+each other or the input, outputs that do not require grad, graphs without parameters, a dropout
+of values made from constants alone, values written into a zeros made from constants.
 
 :func:`programs` is the hypothesis strategy; :func:`check_program` is the property (exact, or
 a named error, and the allocator's peak within the budget).
@@ -72,6 +73,8 @@ OPS: dict[str, int] = {
     "identity_view": 1,  # a view of its input
     "straight_through": 1,  # a custom autograd.Function: rounding, its own (clipped) backward
     "grad_reverse": 1,  # a custom autograd.Function with a constant: identity, negated backward
+    "positions_dropout": 1,  # a dropout of values made from constants alone, read twice (XLNet)
+    "gate_write": 1,  # values that carry gradients written into a zeros made from constants
 }
 
 
@@ -254,6 +257,14 @@ class ProgramModel(nn.Module):
                 out = a.view(a.shape)
             elif op == "straight_through":
                 out = StraightThrough.apply(a)
+            elif op == "positions_dropout":
+                positions = torch.arange(a.shape[1], dtype=a.dtype)[:, None] * torch.arange(a.shape[2], dtype=a.dtype)
+                positions = F.dropout(torch.sin(positions / a.shape[2]), ins.p, self.training)
+                out = (a + positions) * torch.sigmoid(positions)
+            elif op == "gate_write":
+                gate = torch.zeros(a.shape[0], a.shape[1], dtype=a.dtype)
+                gate[:, 0] = a[:, 0, 0]
+                out = a * gate[..., None] + torch.tanh(gate)[..., None]  # (read by two nodes)
             elif op == "grad_reverse":
                 out = GradientReversal.apply(a, 0.5)
             else:  # pragma: no cover - the grammar lists every op

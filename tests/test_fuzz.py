@@ -35,6 +35,13 @@ GRID = dict(peak_steps=3, save_steps=3)
 @seed(20261123)
 # programs that failed once (benchmarks/fuzz.py), run first
 @given(program=programs(), fraction=st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]))
+# sixteenth session: a dropout of values made from constants alone, read by two nodes, drew a
+# mask in each reader (XLNet's positional encoding: every later mask another); values that
+# carry gradients written into a zeros made from constants (a KeyError in the inspection)
+@example(written([("linear", [0]), ("positions_dropout", [1]), ("dropout", [2]), ("linear", [3])], [4], seq=6,
+                 dim=8, seed=3), 1.0)
+@example(written([("linear", [0]), ("gate_write", [1]), ("tanh", [2]), ("gate_write", [3])], [4], seq=4, dim=8,
+                 input_requires_grad=True, seed=5), 0.0)
 # fuzz seed 65: a result read by its own island's view (returned) and by dropouts whose results
 # are unused gets no gradient from outside its island (the inspection gave it one, and
 # credited its free: 1056 B over the budget at the minimum)
