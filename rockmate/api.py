@@ -228,7 +228,7 @@ class Rockmate(nn.Module):
         ``torch.compile`` of a model around this module runs it as it is (a graph break): its
         schedule frees and recomputes tensors, which a compiled graph would not do."""
         flat = self._flat_inputs(args, kwargs)
-        if self.training and torch.is_grad_enabled():
+        if self.training and self.model.training and torch.is_grad_enabled():  # (else the plain model runs)
             hooked = self._state.hooked()
             if hooked is not None:
                 path, kind = hooked

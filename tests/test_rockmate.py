@@ -117,6 +117,27 @@ def test_a_fraction_is_of_the_peak_without_recomputation():
     assert f"{info.value.minimum / peak:.1%} of that peak" in str(info.value)
 
 
+def test_a_model_built_in_eval_mode_runs_plain_until_trained():
+    """Built from a model in eval mode (captured as model.train() makes it): a call while the
+    model is still in eval mode runs the plain model (planning again for the submodules' modes
+    recursed without end); after rk.train(), the plan, bitwise eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2)).eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    compiled = Rockmate(model, x, 10**9, cost_model="flops")
+    assert torch.equal(compiled(x), reference(x))
+    compiled.train()
+    reference.train()
+    torch.manual_seed(1)
+    compiled(x).sum().backward()
+    torch.manual_seed(1)
+    reference(x).sum().backward()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert not compiled._variants
+
+
 def test_eval_and_no_grad_run_the_plain_model():
     model, sample = ZOO["gpt"].build()
     compiled = Rockmate(model, sample, 10**9, cost_model="flops")
