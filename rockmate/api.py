@@ -272,6 +272,10 @@ class Rockmate(nn.Module):
                     "as it is at each call")
             variant = _rebuilt(self.model, (args, kwargs), recipe["budget"], recipe["solver"], recipe["options"],
                                self.training)
+            moved = variant._state.changed()
+            if moved:  # (planning again would not end)
+                raise RuntimeError(f"Rockmate: the model changes while it is planned ({_change(*moved[0])}): "
+                                   "build Rockmate again on the model as it will be trained")
             self._variants[key] = variant
             warnings.warn(
                 f"Rockmate: called with {what}: planned again, within the same budget "
