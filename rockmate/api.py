@@ -119,7 +119,8 @@ class Rockmate(nn.Module):
         budget: bytes (int) or a string such as ``"300MiB"`` or ``"1.5GB"``; or a fraction of
             the peak without recomputation (autograd's, on this sample), as PyTorch's
             ``activation_memory_budget``: a float in (0, 1] (``0.5``) or a string (``"50%"``).
-            Calls with other shapes are planned with the same fraction of their own peak.
+            Calls with other shapes are planned within the same bytes (the memory the fraction
+            gave: a last smaller batch fits where its own fraction may not).
         solver: ``"rockmate"`` (default), ``"rotor"``, ``"checkmate"`` (whole graph, small
             models), ``"none"`` (no recomputation), or a solver object.
         **options: ``cost_model``, ``repeats``, ``grad_accumulation`` and ``max_block_nodes``
@@ -270,7 +271,8 @@ class Rockmate(nn.Module):
                     "that changes at every step (an annealed temperature) would be planned again at every step. "
                     "Keep such a value in a tensor the forward reads (register_buffer), which the plan reads "
                     "as it is at each call")
-            variant = _rebuilt(self.model, (args, kwargs), recipe["budget"], recipe["solver"], recipe["options"],
+            # (the budget in bytes: a fraction is of the sample's peak, the memory the user has)
+            variant = _rebuilt(self.model, (args, kwargs), self.plan.budget, recipe["solver"], recipe["options"],
                                self.training)
             moved = variant._state.changed()
             if moved:  # (planning again would not end)

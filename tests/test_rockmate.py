@@ -112,6 +112,10 @@ def test_a_fraction_is_of_the_peak_without_recomputation():
         loss(reference(*sample)).backward()
         for a, b in zip(model.parameters(), reference.parameters()):
             assert torch.equal(a.grad, b.grad)
+    # a smaller last batch is planned within the same bytes (its own 50% may be infeasible)
+    with pytest.warns(UserWarning, match="planned again"):
+        half(*(value[:1, :10] for value in sample))
+    assert [variant.plan.budget for variant in half._variants.values()] == [half.plan.budget]
     with pytest.raises(InfeasibleBudget, match=r"0\.01 of the \d+ bytes that the plan without recomputation") as info:
         Rockmate(copy.deepcopy(model), sample, 0.01, cost_model="flops")
     assert f"{info.value.minimum / peak:.1%} of that peak" in str(info.value)
