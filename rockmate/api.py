@@ -10,6 +10,7 @@ model, cuts it into a chain of blocks and measures each class of identical block
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import time
 import warnings
@@ -186,6 +187,9 @@ class Rockmate(nn.Module):
         )
         # what the captured graph holds of the model (a change plans again: _variant)
         self._state = ModelState.of(model, captured_in_train_mode=not model.training)
+        # ``rk.forward`` with the model's signature (tools that pass a model only the arguments
+        # its forward names read ``inspect.signature(model.forward)``)
+        self.forward = _with_signature(type(self).forward.__get__(self), self.model.forward)
         # the state_dict is the model's, under the model's own keys: it loads into the model
         # (and the model's into this module), as the user saves and restores checkpoints
         self.register_state_dict_post_hook(_as_model_keys)
@@ -209,6 +213,28 @@ class Rockmate(nn.Module):
                             "pass the solver by name, or build a new Rockmate on a copy of the model")
         return _rebuilt, (self.model, self.signature.sample_call(), recipe["budget"], recipe["solver"],
                           recipe["options"], self.training)
+
+    def __getattr__(self, name: str):
+        """The model's attributes that this module does not have (``rk.config``,
+        ``rk.main_input_name``, ``rk.generate``): use rk as the model. Private names are not
+        passed on (torch's own probes of a module)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or "compiled" not in self.__dict__.get("_modules", {}):
+                raise
+        model = self.model
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"'Rockmate' object (around a {type(model).__name__}) has no attribute "
+                                 f"{name!r}, nor has the model") from None
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The model's call signature (``inspect.signature(rk)``, as tools that pass only the
+        arguments a model takes read it)."""
+        return inspect.signature(self.model.forward)
 
     @property
     def model(self) -> nn.Module:
@@ -388,6 +414,17 @@ def _errors_in_model_keys(module: "Rockmate", incompatible) -> None:
     inner = module._inner_prefix()
     for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
         keys[:] = [key.replace(inner, "", 1) for key in keys]
+
+
+def _with_signature(call, like):
+    """``call``, shown with the signature of ``like``."""
+
+    def forward(*args, **kwargs):
+        return call(*args, **kwargs)
+
+    forward.__signature__ = inspect.signature(like)
+    forward.__doc__ = call.__doc__
+    return forward
 
 
 def _change(what: str, then, now) -> str:

@@ -397,3 +397,26 @@ def test_llama_eager_attention_holds_no_copy_of_its_attention_weights():
     # GPT-2 small's width; see README, Known limits)
     assert none.plan.predicted_peak <= 1.015 * eager_peak(model, sample, DotLoss(probe))
     check_training(model, sample, 0.5)
+
+
+def test_the_compiled_module_answers_as_the_model():
+    """``rk.config``, ``rk.main_input_name``, ``rk.generate`` and the forward's signature are the
+    model's (tools such as transformers' Trainer read them: which columns a model takes, its
+    config); a name neither has is an AttributeError naming both."""
+    import inspect
+
+    torch.manual_seed(0)
+    model, call = MODELS["gpt2"]()
+    compiled = Rockmate(model, call, "10GB", cost_model="flops")
+    assert compiled.config is model.config and compiled.main_input_name == "input_ids"
+    assert inspect.signature(compiled.forward) == inspect.signature(model.forward) == inspect.signature(compiled)
+    with pytest.raises(AttributeError, match="around a GPT2LMHeadModel.*'no_such_thing', nor has the model"):
+        compiled.no_such_thing
+    prompt = call["input_ids"][:, :4]
+    compiled.eval()
+    with torch.no_grad():
+        assert torch.equal(compiled.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0),
+                           model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0))
+    compiled.train()
+    compiled(**call).loss.backward()  # (and it trains as before)
+    assert all(p.grad is not None for p in model.parameters())
