@@ -170,7 +170,8 @@ class Rockmate(nn.Module):
         if not plan.feasible:
             floor, operation = _operation_floor(self.graphs)
             raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver, floor, operation,
-                                   asked=None if fraction is None else (budget, baseline))
+                                   asked=None if fraction is None else budget,
+                                   baseline=registry.no_recompute_peak(self.graphs.model_chain))
         if fraction is not None:
             plan.notes.append(f"budget {budget!r}: {budget_bytes} B, {fraction:.0%} of the {baseline} B "
                               f"({format_bytes(baseline)}) that the plan without recomputation peaks at")

@@ -18,17 +18,23 @@ class InfeasibleBudget(ValueError):
     """
 
     def __init__(self, budget: int, minimum: int | None, solver: str, floor: int | None = None,
-                 floor_operation: str = "", asked: tuple | None = None) -> None:
+                 floor_operation: str = "", asked=None, baseline: int | None = None) -> None:
+        """``asked``: the budget as the user gave it where it was a fraction; ``baseline``: the
+        peak without recomputation (bytes), which the message compares the minimum with."""
         self.budget = budget
         self.minimum = minimum
         self.solver = solver
         self.floor = floor
         self.floor_operation = floor_operation
+        self.baseline = baseline
         given = share = ""
-        if asked is not None:  # (the fraction as given, the peak without recomputation it is of)
-            fraction, baseline = asked
-            given = f" ({fraction!r} of the {baseline} bytes that the plan without recomputation peaks at)"
-            share = "" if minimum is None else f", {minimum / baseline:.1%} of that peak"
+        if baseline:
+            if asked is not None:
+                given = f" ({asked!r} of the {baseline} bytes that the plan without recomputation peaks at)"
+                share = "" if minimum is None else f", {minimum / baseline:.1%} of that peak"
+            elif minimum is not None:
+                share = (f", {minimum / baseline:.1%} of the {baseline} bytes that the plan without recomputation "
+                         "peaks at")
         if minimum is None:
             detail = "no budget is feasible for this solver"
         else:

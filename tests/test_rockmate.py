@@ -10,7 +10,7 @@ import torch
 from exactness import LOSS_BYTES, DotLoss, check_training, eager_peak
 from rkgb.cdgraph import parameter_sums
 from rkgb.memory import measure_allocator_peak
-from rockmate import InfeasibleBudget, Rockmate, budget_fraction, min_budget, parse_budget
+from rockmate import InfeasibleBudget, Rockmate, budget_fraction, format_bytes, min_budget, parse_budget
 from zoo import ZOO
 
 STEPS = 3
@@ -56,6 +56,10 @@ def test_infeasible_budget_gives_the_minimum():
     with pytest.raises(InfeasibleBudget) as info:
         Rockmate(model, sample, minimum // 2, cost_model="flops")
     assert info.value.minimum == minimum
+    # (and as a share of the peak without recomputation, the figure a fraction budget reads)
+    baseline = info.value.baseline
+    assert f"is {minimum} bytes ({format_bytes(minimum)}), {minimum / baseline:.1%} of the {baseline} bytes that " \
+           "the plan without recomputation peaks at" in str(info.value)
     # the operation floor: what no plan of eager's operations goes below, and the op that sets it
     # (the zoo GPT's seq-16 floor is the backward of the last MLP's second linear)
     # (the solvers leave the generator states of the 7 dropouts aside, and one more for a replay)
