@@ -20,12 +20,12 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
-from rkgb.cdgraph import DataKind, data_name, parameter_sums
+from rkgb.cdgraph import LOSS_NAME, DataKind, data_name, parameter_sums
 from rkgb.gradsink import GradientQueue, GradSink, accumulate, handoff, handoff_backward
 from rkgb.interpret import batch_norm_not_updating, batch_norm_updating
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
-from solvers.schedule import Schedule
+from solvers.schedule import Compute, Schedule
 
 from .codegen import GeneratedCode, generate, node_infos
 from .merge import plan_merges
@@ -230,15 +230,16 @@ def _outputs_read_by_backward(graph: SimplifiedGraph, schedule: Schedule, cdgrap
     """Indices of the user outputs whose values a backward or recomputation of ``schedule``
     reads (after its loss), or may read (an output that is not a node's data: a model input, a
     buffer); None, all of them, without a CD-graph."""
-    if cdgraph is None or not cdgraph.has_compute("loss"):
+    if cdgraph is None or not cdgraph.has_compute(LOSS_NAME):
         return None
     after_loss, read = False, set()
     for op in schedule.ops:
-        node = getattr(op, "node", None)
-        if node == "loss":
+        if not isinstance(op, Compute):
+            continue
+        if op.node == LOSS_NAME:
             after_loss = True
-        elif after_loss and type(op).__name__ == "Compute" and cdgraph.has_compute(node):
-            read.update(cdgraph.compute(node).needs)
+        elif after_loss and cdgraph.has_compute(op.node):
+            read.update(cdgraph.compute(op.node).needs)
     indices = set()
     for i, name in enumerate(graph.outputs):
         data = data_name(graph.owner.get(name, name), DataKind.DATA)

@@ -34,9 +34,9 @@ from solvers.option_cache import default_directory
 from solvers.bounds import operation_floor
 from solvers.schedule import Plan
 
-from .model_state import ModelState
 from .budget import budget_fraction, format_bytes, parse_budget
 from .errors import InfeasibleBudget
+from .model_state import ModelState
 from .signature import CallSignature, FlatModel, split_sample
 
 __all__ = ["Rockmate", "min_budget", "BuildOptions"]
