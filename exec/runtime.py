@@ -205,14 +205,6 @@ class _OutputGate(torch.autograd.Function):
         return None, None, None
 
 
-def _has_submodule(model: nn.Module, path: str) -> bool:
-    try:
-        model.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
-
-
 def _check_outputs_unchanged(handover: _Handover, outputs: Sequence[torch.Tensor]) -> None:
     """Refuse a backward whose plan reads the values of an output that was written in place
     after the forward returned it (eager raises too where its backward saved that tensor:
@@ -458,10 +450,12 @@ class CompiledModule(nn.Module):
         self._buffer_refs = [(name, *self._owner_of(path)) for name, path in captured.buffers.items()]
         # plain tensor attributes (not parameters nor buffers) behind constant placeholders
         self._constant_refs = []
-        for name, path in getattr(captured, "constant_paths", {}).items():
-            module_path, _, attribute = path.rpartition(".")
-            module = self.model.get_submodule(module_path) if _has_submodule(self.model, module_path) else None
-            if module is not None and getattr(module, attribute, None) is captured.constants[name]:
+        for name, path in captured.constant_paths.items():
+            try:
+                module, attribute = self._owner_of(path)
+            except AttributeError:  # (not an attribute's path: a tensor made in the forward)
+                continue
+            if getattr(module, attribute, None) is captured.constants[name]:
                 self._constant_refs.append((name, module, attribute))
         self._runners: dict[tuple, _Runner] = {}
         # the dtype and device of each parameter and buffer at build time: the plan's sizes and

@@ -683,15 +683,18 @@ class _ForwardWatch(TorchFunctionMode):
         return result
 
 
-def _raised_by_data_dependence(error: BaseException) -> bool:
-    """``error`` is export's data-dependent guard, or was raised while handling one."""
+def _error_chain(error: BaseException | None):
+    """``error``, then each error it was raised from or while handling (once each)."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, GuardOnDataDependentSymNode):
-            return True
+        yield error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return False
+
+
+def _raised_by_data_dependence(error: BaseException) -> bool:
+    """``error`` is export's data-dependent guard, or was raised while handling one."""
+    return any(isinstance(cause, GuardOnDataDependentSymNode) for cause in _error_chain(error))
 
 
 @contextlib.contextmanager
@@ -951,13 +954,7 @@ def _refuse_value_dependent_shapes(graph: torch.fx.Graph) -> None:
 
 def _function_call_error(error: BaseException) -> FunctionCallError | None:
     """The :class:`rkgb.functions.FunctionCallError` that ``error`` is or was raised from."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, FunctionCallError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
+    return next((cause for cause in _error_chain(error) if isinstance(cause, FunctionCallError)), None)
 
 
 @contextlib.contextmanager
@@ -987,6 +984,10 @@ def _check_batch_norm_momentum(model: nn.Module) -> None:
                 "freeze it (eval(), or track_running_stats=False)")
 
 
+# the attributes of an nn.Module that hold its hooks (none of which the compiled module calls)
+MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
 def _check_no_module_hooks(model: nn.Module) -> None:
     """Raise :class:`CaptureError` if a module has forward or backward hooks.
 
@@ -995,8 +996,7 @@ def _check_no_module_hooks(model: nn.Module) -> None:
     """
     from torch.nn.modules import module as nn_module
 
-    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-    for kind in kinds:
+    for kind in MODULE_HOOKS:
         if getattr(nn_module, f"_global{kind}", None):
             raise CaptureError(
                 f"global module {kind[1:].replace('_', ' ')} are registered (torch.nn.modules.module."
@@ -1004,7 +1004,7 @@ def _check_no_module_hooks(model: nn.Module) -> None:
                 "methods, so they would never be called while training; remove them before Rockmate(...)"
             )
     for path, module in model.named_modules():
-        for kind in kinds:
+        for kind in MODULE_HOOKS:
             if getattr(module, kind, None):
                 where = f"module {path!r} ({type(module).__name__})" if path else f"the model ({type(module).__name__})"
                 raise CaptureError(

@@ -163,15 +163,17 @@ class Rockmate(nn.Module):
         # batch): input shapes -> a Rockmate of the same model, budget and options
         self._variants: dict[tuple, Rockmate] = {}
         self.graphs = _build_graphs(module, flat_sample, build_options)
-        if fraction is not None:  # of the peak without recomputation, on this sample
+        baseline = None  # the peak without recomputation, on this sample (where it is needed)
+        if fraction is not None:
             baseline = registry.no_recompute_peak(self.graphs.model_chain)
             budget_bytes = max(1, int(fraction * baseline))
         plan: Plan = registry.solve(self.graphs.model_chain, budget_bytes, solver, **solver_options)
         if not plan.feasible:
             floor, operation = _operation_floor(self.graphs)
+            if baseline is None:
+                baseline = registry.no_recompute_peak(self.graphs.model_chain)
             raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver, floor, operation,
-                                   asked=None if fraction is None else budget,
-                                   baseline=registry.no_recompute_peak(self.graphs.model_chain))
+                                   asked=None if fraction is None else budget, baseline=baseline)
         if fraction is not None:
             plan.notes.append(f"budget {budget!r}: {budget_bytes} B, {fraction:.0%} of the {baseline} B "
                               f"({format_bytes(baseline)}) that the plan without recomputation peaks at")
@@ -284,8 +286,8 @@ class Rockmate(nn.Module):
             began = time.perf_counter()
             recipe = self._recipe
             sample = [list(shape) for shape in self.compiled.sample_tensors_shapes()]
-            what = (f"inputs of shapes {list(map(list, shapes))} where the sample's are {sample}"
-                    if list(map(list, shapes)) != sample else "")
+            new_shapes = list(map(list, shapes)) != sample
+            what = f"inputs of shapes {list(map(list, shapes))} where the sample's are {sample}" if new_shapes else ""
             if changed:
                 values = ", ".join(_change(*change) for change in changed[:3])
                 what += (" and " if what else "") + f"a model changed since the build: {values}"
@@ -310,7 +312,7 @@ class Rockmate(nn.Module):
                 f"Rockmate: called with {what}: planned again, within the same budget "
                 f"({time.perf_counter() - began:.1f} s; each is planned once, then reused). "
                 + ("A last smaller batch does this once per run; drop_last=True, or padding to the sample's "
-                   "shapes, avoids it. " if "shapes" in what else "")
+                   "shapes, avoids it. " if new_shapes else "")
                 + ("The captured graph holds the modules, shapes and Python values its forward read; a value "
                    "that changes often is better kept in a tensor (register_buffer)" if changed else ""),
                 UserWarning, stacklevel=3)

@@ -7,8 +7,9 @@ buffers (``resize_token_embeddings``). A user who changes one after building wou
 silently on the build's graph (or past its memory plan). :class:`ModelState` records them: the
 simple attributes of every module (numbers, strings, booleans, None, tuples and lists of them;
 not private ones; ``training`` of the submodules, a BatchNorm frozen by ``.eval()``, but not of
-the model itself, whose ``eval()`` runs the plain model), the modules by path, and the shapes; :class:`rockmate.Rockmate` plans again for a changed model, as ``torch.compile``
-recompiles when a guard fails. It also tells module hooks registered after the build, which
+the model itself, whose ``eval()`` runs the plain model), the modules by path, and the shapes;
+:class:`rockmate.Rockmate` plans again for a changed model, as ``torch.compile`` recompiles
+when a guard fails. It also tells module hooks registered after the build, which
 the compiled module would never call.
 """
 
@@ -18,6 +19,8 @@ import math
 from dataclasses import dataclass
 
 from torch import nn
+
+from rkgb.capture import MODULE_HOOKS
 
 __all__ = ["ModelState"]
 
@@ -41,9 +44,6 @@ def _same(a, b) -> bool:
     if isinstance(a, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
-
-
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 @dataclass
@@ -73,7 +73,7 @@ class ModelState:
         """A module of the model with forward or backward hooks (registered after the capture,
         which refuses them) and the kind: (path, kind), or None."""
         for path, module in self.modules.items():
-            for kind in _HOOKS:
+            for kind in MODULE_HOOKS:
                 if getattr(module, kind, None):
                     return path, kind[1:].replace("_", " ")
         return None
@@ -104,9 +104,7 @@ class ModelState:
     def key(self) -> tuple:
         """The model as it is now, hashable: a plan's key among the plans for other states."""
         modules = tuple((path, id(module)) for path, module in self.model.named_modules(remove_duplicate=True))
-        missing = object()
-        values = tuple(repr(vars(module).get(name, missing)) for (path, name), module in
-                       ((entry, self.modules[entry[0]]) for entry in self.values))
+        values = tuple(repr(vars(self.modules[path]).get(name)) for path, name in self.values)
         return modules, values, tuple(sorted(_shapes(self.model).items()))
 
 
