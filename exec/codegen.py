@@ -34,7 +34,8 @@ import torch.fx
 
 from rkgb.functions import applied_function
 from rkgb.interpret import batch_norms_in_place, tensor_args
-from rkgb.simplify import SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, split_of_view
+from rkgb.simplify import (SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, split_of_view,
+                           summed_input_views, summed_parameter_views, summing_view_chain)
 from solvers.schedule import Compute, Forget, Schedule
 
 __all__ = ["GeneratedCode", "MARKER_PREFIX", "ScheduleError", "NodeInfo", "node_infos", "generate"]
@@ -131,6 +132,7 @@ class _Generator:
         merged: dict[str, str] | None = None,
         markers: bool = False,
         aliased_parameters: set[str] | frozenset[str] = frozenset(),
+        trained_parameters: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         self.graph = graph
         # parameters with hooks: the islands read an alias (s.param_<name>) whose gradient the
@@ -193,6 +195,7 @@ class _Generator:
             if graph.owner.get(view.name) in self.snapshots:
                 self.snapshots[view.name] = f"s.snapshot_{view.name}"
         self.split_aliases: list[str] = []  # aliases of the island being written
+        self.skipped_lines: set[str] = set()  # lines of the island being written that its reads alias
         self.read_by_one = graph.results_read_by_one_node()  # (their readers need no alias per read)
         # views of inputs that require grad made in nodes' preludes: each a group of gradient
         # contributions, joining the input's gradient where eager runs the view's backward
@@ -206,6 +209,15 @@ class _Generator:
         # nodes made after it (rkgb.build.first_run_bytes counts its sum meanwhile)
         self.view_groups |= {line.name for line in graph.global_views
                              if line.name in graph.outputs and self._input_of_view(line) is not None}
+        # groups made in the readers' preludes whose views' backward sums (an expand): summed at
+        # the size of the chain's last view, which the reads alias, and the chain's backward run
+        # once on the sum (rkgb.simplify.summing_view_chain): group -> its chain of views
+        self.summing_groups = self._summing_groups()
+        # views of trained parameters made once, whose backward sums, read by several nodes:
+        # a group each, its sum through the views' backward into the parameter's gradient
+        self.parameter_views = summed_parameter_views(graph, trained_parameters)
+        self.view_groups |= set(self.parameter_views)
+        self.view_functions: dict[str, str] = {}  # group -> the global name of its views' function
         self.delivered_groups: set[str] = set()
         # exported views in a node's body whose gradient joins the result's where eager runs
         # the view's backward: view -> the node (see _result_views_made_late)
@@ -335,14 +347,42 @@ class _Generator:
         lines_by_name = {line.name: line for line in node.prelude}
         remade = {name for name in grouped if counts.get(name, 0) > 1 and self._input_of_view(lines_by_name[name])
                   and isinstance(lines_by_name[name].meta.get("val"), torch.Tensor)}  # (not a split's pieces)
+        # groups summed at their views' size: the reads of the chain's last view are aliases of
+        # that view (the chain's lines are not written), and so are the reads of views of
+        # trained parameters that several nodes read
+        through: dict[str, tuple[str, str, bool, str]] = {}  # view read -> (base, sink, global, group)
+        for group in grouped & set(self.summing_groups):
+            chain = self.summing_groups[group]
+            base = chain[0].all_input_nodes[0].name
+            if base not in self.sink_names:
+                continue
+            self.skipped_lines |= {view.name for view in chain}
+            through[chain[-1].name] = (f"s.{base}", f"s.sink_{base}", base in self.input_names, group)
+        if self.parameter_views:
+            for line in node.lines:
+                for arg in tensor_args(line):
+                    if arg.name in self.parameter_views:
+                        parameter = self.parameter_views[arg.name][0].all_input_nodes[0].name
+                        through[arg.name] = (self.ref(parameter), self.parameter_sink(parameter), True, arg.name)
         reads: dict[str, list[str]] = {}
         for line in node.lines:
             args = tensor_args(line)
-            if not any(arg.name in split or arg.name in remade for arg in args) and line.name not in grouped:
+            if line.name in self.skipped_lines:
+                continue
+            if not any(arg.name in split or arg.name in remade or arg.name in through for arg in args) \
+                    and line.name not in grouped:
                 continue
             sources = []
             for k, arg in enumerate(args):
-                if arg.name in remade:
+                if arg.name in through:
+                    base, sink, is_global, group = through[arg.name]
+                    chain = self.summing_groups.get(group) or self.parameter_views[group]
+                    alias = f"{arg.name}_read{len(self.split_aliases)}"
+                    self.split_aliases.append(alias)
+                    w(f"{alias} = use({base}, {sink}, ({-self.position[line.name]}, {k}), {is_global}, {group!r}, "
+                      f"through={self.view_function(group, chain)})")
+                    sources.append(alias)
+                elif arg.name in remade:
                     view = lines_by_name[arg.name]
                     base = self._input_of_view(view)
                     alias = f"{base}_read{len(self.split_aliases)}"
@@ -385,6 +425,37 @@ class _Generator:
             return args[0].name
         return None
 
+    def _summing_groups(self) -> dict[str, list[torch.fx.Node]]:
+        """The prelude view groups whose chain of views sums in its backward
+        (:func:`rkgb.simplify.summing_view_chain`), where every reader makes the whole chain in
+        its prelude and reads its last view alone (not a split's pieces)."""
+        inputs = {name for name in self.input_names if name in self.sink_names}
+        groups = {chain[0].name: chain for _, chain in summed_input_views(self.graph, inputs).values()}
+        preludes = [(node, {line.name for line in node.prelude}) for node in self.graph.nodes]
+        for view in self.graph.grouped_views:
+            readers = [(node, names) for node, names in preludes if view in names]
+            line = next(line for line in readers[0][0].prelude if line.name == view) if readers else None
+            chain = summing_view_chain(line) if line is not None else None
+            if chain is not None and isinstance(chain[-1].meta.get("val"), torch.Tensor) and all(
+                    all(v.name in names for v in chain) and split_of_view(line, node.lines) is None
+                    for node, names in readers):
+                groups[view] = chain
+        return groups
+
+    def view_function(self, group: str, chain: list[torch.fx.Node]) -> str:
+        """The global name of a function making ``chain``'s last view from its first one's
+        input (the ``through`` of :meth:`rkgb.gradsink.GradientQueue.alias`)."""
+        if group not in self.view_functions:
+            self.view_functions[group] = self.bind(_ViewChain(chain), "views")
+        return self.view_functions[group]
+
+    def parameter_sink(self, parameter: str) -> str:
+        """Where a parameter view group's sum goes: the parameter's gradient (its alias's sink
+        where it has hooks)."""
+        if parameter in self.aliased_parameters:
+            return f"s.sink_param_{parameter}"
+        return f"s.psink_{parameter}"
+
     # -- operations ------------------------------------------------------------------------
     def target(self, compute_name: str) -> str:
         for prefix in ("fwd_", "bwd_"):
@@ -421,6 +492,7 @@ class _Generator:
             local_names += self.raw_outputs.values()
         self.raw_outputs = {}
         self.split_aliases = []
+        self.skipped_lines = set()
         reads = self.split_reads(w, node) if with_grad else {}
         outputs = {out.fx_name for out in node.outputs}
         at_once = self.graph.updates_written_at_once(node) if first else set()
@@ -429,6 +501,8 @@ class _Generator:
         in_place = batch_norms_in_place(self.graph, node)
         written: list[tuple[str, str]] = []  # (buffer global, new value) written after the island
         for line in node.lines:
+            if line.name in self.skipped_lines:
+                continue  # a view of a group summed at its size: its reads alias it (split_reads)
             update = info.updates.get(line.name)  # the buffer this line's value is the new value of
             if line.name in in_place:
                 function = "batch_norm_updating" if first else "batch_norm_not_updating"
@@ -597,6 +671,12 @@ class _Generator:
                 w(f"s.{name} = {name}")
         for name in sorted(self.aliased_parameters):
             w(f"s.param_{name} = {name}.detach().requires_grad_(); s.sink_param_{name} = grad_sink(s.param_{name}, s.queue)")
+        summed = sorted({chain[0].all_input_nodes[0].name for chain in self.parameter_views.values()}
+                        - self.aliased_parameters)
+        if summed:
+            w.comment("parameters whose views several nodes read: the views' gradients summed first, as eager")
+            for name in summed:
+                w(f"s.psink_{name} = parameter_sink({name})")
         if self.graph.global_views:
             w.comment("views of parameters, buffers and inputs")
             outputs = set(self.graph.outputs)
@@ -804,6 +884,7 @@ def generate(
     merged: dict[str, str] | None = None,
     markers: bool = False,
     aliased_parameters: set[str] | frozenset[str] = frozenset(),
+    trained_parameters: set[str] | frozenset[str] = frozenset(),
 ) -> GeneratedCode:
     """Generate, compile and register (in ``linecache``) the code of ``schedule``.
 
@@ -812,14 +893,15 @@ def generate(
     placeholders; the caller binds their tensors (:func:`bind_globals`). ``merged`` (``a ->
     b``, from :func:`exec.merge.plan_merges`): nodes whose island ``b``'s includes.
     ``markers``: run each schedule operation ``i`` inside ``mark("rockmate:op:<i>")`` (a
-    ``torch.profiler.record_function``), for :mod:`exec.timeline`.
+    ``torch.profiler.record_function``), for :mod:`exec.timeline`. ``aliased_parameters``: those
+    read through an alias of their own (hooks); ``trained_parameters``: those that require grad.
 
     Raises:
         ScheduleError: the schedule names an unknown node, or runs a backward without an
             autograd graph.
     """
     generator = _Generator(graph, schedule, infos, input_requires_grad, torch.device(device), merged, markers,
-                           aliased_parameters)
+                           aliased_parameters, trained_parameters)
     source = generator.generate()
     filename = _fresh_filename()
     namespace = dict(generator.globals)
@@ -835,3 +917,22 @@ def generate(
         globals=namespace,
         global_names={name: name for name in generator.global_placeholders},
     )
+
+
+class _ViewChain:
+    """A chain of view lines (:func:`rkgb.simplify.summing_view_chain`) as a function of the
+    first one's input: what a view group summed at the view's size runs its backward through."""
+
+    def __init__(self, chain: list[torch.fx.Node]) -> None:
+        self.chain = [(line.target, line.args, line.kwargs) for line in chain]
+        self.description = " -> ".join(line.name for line in chain)
+
+    def __call__(self, base: torch.Tensor) -> torch.Tensor:
+        value = base
+        for target, args, kwargs in self.chain:
+            args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda _node: value)
+            value = target(*args, **kwargs)
+        return value
+
+    def __repr__(self) -> str:
+        return f"<views {self.description}>"

@@ -21,7 +21,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
 from rkgb.cdgraph import LOSS_NAME, DataKind, data_name, parameter_sums
-from rkgb.gradsink import GradientQueue, GradSink, accumulate, handoff, handoff_backward
+from rkgb.gradsink import GradientQueue, GradSink, ParameterSink, accumulate, handoff, handoff_backward
 from rkgb.interpret import batch_norm_not_updating, batch_norm_updating
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
@@ -362,6 +362,7 @@ class _Runner:
             "gradient_edge": get_gradient_edge,
             "no_grad": torch.no_grad,
             "grad_sink": GradSink,
+            "parameter_sink": ParameterSink,
             "batch_norm_updating": batch_norm_updating,
             "batch_norm_not_updating": batch_norm_not_updating,
             # a plan that counts the shared parameters' sums (grad_accumulation=True), or a
@@ -376,6 +377,8 @@ class _Runner:
         self.code: GeneratedCode = generate(
             graph, module.schedule, self.infos, input_requires_grad, helpers, module.device, self.merged, markers,
             aliased_parameters=aliased,
+            trained_parameters={name for (name, _, _), flag in zip(module._parameter_refs, parameter_requires_grad)
+                                if flag},
         )
         self.module = module
 

@@ -21,7 +21,8 @@ from .disk_cache import source_digest
 from .functions import function_identity
 from .inspect import BlockMeasure, gradient_layouts, inspect_chain
 from .interpret import global_requires_grad, tensor_args
-from .simplify import SimplifiedGraph, gradient_needs, simplify, split_of_view
+from .simplify import (SimplifiedGraph, gradient_needs, simplify, split_of_view, summed_input_views,
+                       summed_parameter_views, summing_view_chain)
 
 __all__ = ["ModelGraphs", "build", "cdgraph_of_class"]
 
@@ -240,6 +241,16 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
     for view, base in graph.grouped_views.items():
         view_readers = [node for node in graph.nodes if any(line.name == view for line in node.prelude)]
         base_node = graph.node(graph.owner.get(base, base))
+        chain = summing_view_chain(captured_lines[view])
+        if chain is not None:
+            # a group summed at the size of its views (an expand's, exec.codegen), from the
+            # first reader's backward to the view's place (by the base's backward at the latest),
+            # beside the base's gradient that the CD-graph counts from then on
+            group = FirstRun(f"{base}.grad.views.{view}", _nbytes(chain[-1].meta["val"]),
+                             until=cname(base_node.name, ComputeKind.BACKWARD))
+            for reader in view_readers:
+                result.setdefault(cname(reader.name, ComputeKind.BACKWARD), []).append(group)
+            continue
         late = base in graph.outputs or any(
             user.name in holder and holder[user.name] is not base_node and holder[user.name] not in view_readers
             and position[holder[user.name].main.name] > position[view]
@@ -250,6 +261,18 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
                          until=cname(base_node.name, ComputeKind.BACKWARD))
         for reader in view_readers:
             result.setdefault(cname(reader.name, ComputeKind.BACKWARD), []).append(group)
+    # a view of a trained parameter made once, whose backward sums (an expand), that several
+    # nodes read: the executor sums its gradients at the view's size from the first reader's
+    # backward on, and runs the view's backward on the sum at the view's place (exec.codegen)
+    if needs is None:
+        needs = gradient_needs(graph, global_requires_grad(graph, model, sample))
+    trained = {name for name, path in graph.captured.parameters.items() if model.get_parameter(path).requires_grad}
+    for view, chain in summed_parameter_views(graph, trained).items():
+        total = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True)
+        for node in graph.nodes:
+            if needs[node.name].requires_grad:
+                for _ in range(_contributions(node, view, graph)):
+                    result.setdefault(cname(node.name, ComputeKind.BACKWARD), []).append(total)
     readers = graph.readers()
     # a parameter read by several nodes (tied weights, an unrolled RNN's weights): where its
     # .grad holds values when the step starts (gradient accumulation), the executor builds the
@@ -260,8 +283,6 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
     # Without grad_accumulation, a step that finds values there is refused (exec.runtime).
     # Only the readers whose backward runs contribute (one whose results get no gradient, a
     # layer feeding an unused batch norm, adds nothing: no sum where one reader is left)
-    if needs is None and grad_accumulation:
-        needs = gradient_needs(graph, global_requires_grad(graph, model, sample))
     for name, path in graph.captured.parameters.items() if grad_accumulation else ():
         parameter = model.get_parameter(path)
         contributing = [reader for reader in readers.get(name, ()) if needs[reader].requires_grad]
@@ -281,7 +302,24 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         # joins the input's
         grouped: dict[str, list[str]] = {}
         returned: dict[str, int] = {}
+        # views whose backward sums (an expand's): the executor sums their gradients at the view's
+        # size, as a model input's gradient of their own (the inspection reads them as leaves),
+        # and runs the views' backward on the sum, which joins the input's gradient at the
+        # view's place, after every reader's backward: counted from the backward of the first
+        # reader made (the last to run where nothing is recomputed)
+        summed = summed_input_views(graph, {name})
+        summed_lines = {line.name for _, chain in summed.values() for line in chain}
+        for view, (_, chain) in summed.items():
+            view_grad = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True)
+            view_readers = [node for node in graph.nodes if any(line.name == view for line in node.prelude)]
+            for node in view_readers:
+                result.setdefault(cname(node.name, ComputeKind.BACKWARD), []).extend(
+                    [view_grad] * _contributions(node, view, graph))
+            first = min(view_readers, key=lambda node: position[node.main.name])
+            result.setdefault(cname(first.name, ComputeKind.BACKWARD), []).append(grad)
         for view, view_readers in graph.input_view_readers(name).items():
+            if view in summed_lines:
+                continue
             # (a view of the input alone that the user gets: the loss's contribution opens its
             # group, as exec.codegen makes it from the group's alias)
             returned[view] = int(view in graph.outputs) if len(captured_lines[view].all_input_nodes) == 1 else 0
@@ -294,7 +332,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
                 grouped[line.name] = []
         direct: dict[str, int] = {}
         for reader in readers.get(name, ()):  # views of the input included (their owner is it)
-            direct[reader] = _contributions(graph.node(reader), name, graph, set(grouped))
+            direct[reader] = _contributions(graph.node(reader), name, graph, set(grouped) | summed_lines)
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).extend([grad] * direct[reader])
         # a view made after every node that reads it (``out = x.clone(); out[:, 0] = x[:, -1]``:
         # the ``select`` after the ``clone``) has its place in the backward before theirs: its
@@ -314,7 +352,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         # (it becomes the gradient when it joins); else a second tensor meanwhile (counted to
         # the end of the step: one buffer for the input's views, as a group's sum joins the
         # input's gradient before the next group's first contribution)
-        alone = len(grouped) == 1 and outputs == 0 and not any(direct.values())
+        alone = len(grouped) == 1 and outputs == 0 and not any(direct.values()) and not summed
         key = grad if alone else FirstRun(input_views_key(name), size, accumulates=True)
         for view, view_readers in grouped.items():
             result.setdefault("loss", []).extend([key] * returned[view])

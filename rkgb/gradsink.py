@@ -15,7 +15,7 @@ import weakref
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["GradSink", "GradientQueue", "accumulate"]
+__all__ = ["GradSink", "GradientQueue", "ParameterSink", "accumulate"]
 
 
 class GradSink:
@@ -74,6 +74,31 @@ class GradSink:
                 self.first_shared = not _addable_in_place(self.leaf.grad)
                 self.first_owned = owns_its_storage(self.leaf.grad)
         return (None,)
+
+
+class ParameterSink:
+    """A parameter's ``.grad`` as the destination of a gradient computed apart (the sum of a view
+    group, :meth:`GradientQueue.alias`'s ``through``), added as the parameter's
+    ``AccumulateGrad`` adds: taken as it is (a copy in the parameter's layout where it is a view
+    or strided otherwise) when ``.grad`` is None, added in place otherwise."""
+
+    __slots__ = ("parameter", "__weakref__")
+
+    def __init__(self, parameter: torch.Tensor) -> None:
+        self.parameter = parameter
+
+    def __call__(self, grad_outputs) -> None:
+        grad = grad_outputs[0]
+        if grad is None:
+            return
+        parameter = self.parameter
+        with torch.no_grad():
+            if parameter.grad is None:
+                stealable = grad._base is None and grad.stride() == parameter.stride()
+                parameter.grad = grad if stealable else grad.clone(memory_format=torch.preserve_format) \
+                    if _non_overlapping_and_dense(grad) else torch.empty_like(parameter).copy_(grad)
+            else:
+                parameter.grad.add_(grad)
 
 
 def accumulate(old: torch.Tensor | None, grad: torch.Tensor, held_alone: bool) -> torch.Tensor:
@@ -197,7 +222,7 @@ class GradientQueue:
     through :class:`rkgb.saved.SavedTensors`, never through an alias.
     """
 
-    __slots__ = ("pending", "fresh", "kept", "groups", "delivered")
+    __slots__ = ("pending", "fresh", "kept", "groups", "delivered", "throughs")
 
     def __init__(self) -> None:
         # (rank or None, sink, contribution, group or None), in the order the engine made them
@@ -211,9 +236,11 @@ class GradientQueue:
         # of the island that makes the view after its own result) joins its sink at once, in
         # the order of the reads
         self.delivered: set[str] = set()
+        # (sink, group) -> (the leaf, the views from it) of a group summed at the view's size
+        self.throughs: dict[tuple[int, str], tuple[torch.Tensor, object]] = {}
 
     def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int], is_global: bool = False,
-              group: str | None = None, pieces: tuple | None = None) -> torch.Tensor:
+              group: str | None = None, pieces: tuple | None = None, through=None) -> torch.Tensor:
         """A leaf sharing ``leaf``'s data whose gradient goes to ``sink`` at :meth:`flush`.
 
         ``is_global``: ``leaf`` is a model input, alive through the step: saved tensors keep the
@@ -227,8 +254,17 @@ class GradientQueue:
         contributions apart (its buffer has one slot per piece) and fills the pieces that got
         none with zeros; the island's gradient has zeros where it read no piece, which a sum
         would add (a -0.0 of another island's piece would become +0.0), so only the pieces read
-        join the group's sum (:func:`add_pieces`)."""
-        alias = leaf.detach().requires_grad_()
+        join the group's sum (:func:`add_pieces`). ``through``: the group's view is one whose
+        backward sums (an ``expand``'s: :func:`rkgb.simplify.summing_view_chain`), a function
+        making it from ``leaf``: the alias is the view itself, its contributions are summed at
+        the view's size, and the view's backward runs once on the sum when it joins the sink
+        (:meth:`_join`), as eager's (summing each island's reduced contribution rounds
+        otherwise: Perceiver's ``latents.expand(batch, ...)``)."""
+        if through is not None:
+            self.throughs[(id(sink), group)] = (leaf, through)
+            alias = through(leaf.detach()).requires_grad_()
+        else:
+            alias = leaf.detach().requires_grad_()
         pending = self.pending
         # the hook refers to the sink weakly: the sink's own node refers to this queue, which
         # keeps the alias's node (``kept``), so a strong reference would make a cycle that holds
@@ -269,7 +305,7 @@ class GradientQueue:
                 entries.sort(key=lambda entry: entry[0])
             for _, sink, grad, group, pieces in entries:
                 if group is None or group in self.delivered:
-                    sink((grad,))
+                    self._join(sink, group, grad)
                     continue
                 key = (id(sink), group)
                 held = self.groups.pop(key, None)
@@ -294,7 +330,20 @@ class GradientQueue:
         self._fold_pieces(lambda name: name == group + PIECES)
         for key in [key for key in self.groups if key[1] == group]:
             sink, total, _ = self.groups.pop(key)
-            sink((total,))
+            self._join(sink, group, total)
+
+    def _join(self, sink, group: str | None, grad: torch.Tensor) -> None:
+        """``grad`` (a group's sum, or a contribution) joins ``sink``; through the view's
+        backward where the group is summed at the view's size (``alias``'s ``through``)."""
+        through = self.throughs.get((id(sink), group)) if group is not None else None
+        if through is not None:
+            leaf, view = through
+            base = leaf.detach().requires_grad_()
+            with torch.enable_grad():
+                made = view(base)
+            (grad,) = torch.autograd.grad(made, base, grad)
+            del made, base
+        sink((grad,))
 
     def _fold_pieces(self, which) -> None:
         """Add the sums of the split groups named by ``which`` (``"<view>.pieces"``) into their
@@ -320,8 +369,9 @@ class GradientQueue:
         self._fold_pieces(lambda name: name.endswith(PIECES))
         groups, self.groups = self.groups, {}
         self.delivered = set()
-        for sink, total, _ in groups.values():
-            sink((total,))
+        for (_, group), (sink, total, _) in groups.items():
+            self._join(sink, group, total)
+        self.throughs = {}
 
 
 class _Handoff(torch.autograd.Function):

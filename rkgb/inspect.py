@@ -36,7 +36,8 @@ from .interpret import global_requires_grad, initial_environment, inspected_targ
 from .memory import allocator_events_and_ranges, measure_allocator_peak
 from .gradsink import GradientQueue, GradSink, handoff, handoff_backward, owns_its_storage
 from .saved import SavedTensors, storage_key
-from .simplify import OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs
+from .simplify import (OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs, summed_input_views,
+                       summed_parameter_views)
 
 __all__ = ["NodeMeasure", "BlockMeasure", "GradLayout", "GradSink", "inspect_chain", "COST_MODELS"]
 
@@ -421,8 +422,26 @@ def _inspect_blocks(graph, chain, model, sample, device, needs, clock, represent
             env = initial_environment(graph, model, sample)
             # the inputs' gradients are collected as the executor collects them
             queue = GradientQueue()
+            given: set[str] = set()  # lines whose values are leaves of their own (not run in islands)
             input_sinks = {name: GradSink(env[name], queue) for name in graph.captured.inputs
                            if name is not None and isinstance(env[name], torch.Tensor) and env[name].requires_grad}
+            # views of trained parameters whose gradients the executor sums at the view's size
+            # before the view's backward (exec.codegen): leaves of their own here, whose
+            # contributions are first-run memory as a model input's (rkgb.build.first_run_bytes)
+            trained = {name for name, path in graph.captured.parameters.items()
+                       if model.get_parameter(path).requires_grad}
+            for view in summed_parameter_views(graph, trained):
+                env[view] = env[view].detach().requires_grad_()
+                input_sinks[view] = GradSink(env[view], queue)
+            # and so are those of inputs' views made in each reader (their lines not run in islands)
+            for view, (base, views) in summed_input_views(graph, set(input_sinks)).items():
+                value = env[base].detach()
+                for line in views:
+                    args, kwargs = torch.fx.node.map_arg((line.args, line.kwargs), lambda _node: value)
+                    value = line.target(*args, **kwargs)
+                env[view] = value.requires_grad_()
+                input_sinks[view] = GradSink(env[view], queue)
+                given |= {line.name for line in views}
             with torch.no_grad():
                 # as after a first step (not counted), for the parameters that the inspected
                 # blocks read: the others get no gradient here (zeroing every gradient of a
@@ -436,7 +455,7 @@ def _inspect_blocks(graph, chain, model, sample, device, needs, clock, represent
                     if block.index in representatives:
                         measures[representatives[block.index]] = _inspect_block(
                             graph, block, env, model, clock, device, representatives[block.index], layouts, needs, input_sinks, queue,
-                            strides, received)
+                            strides, received, given)
                     remaining = [b for b in chain.blocks[block.index + 1 :] if b.index in representatives]
                     if all(_floating_input(graph, b) and not _reads_values(graph, b) for b in remaining):
                         # the rest only needs inputs of the right shape: skip the forward of
@@ -448,7 +467,7 @@ def _inspect_blocks(graph, chain, model, sample, device, needs, clock, represent
                                     _synthesize_node(graph, chain, side, env, device, strides, later.index)
                             measures[representatives[later.index]] = _inspect_block(
                                 graph, later, env, model, clock, device, representatives[later.index], layouts, needs, input_sinks, queue,
-                                strides, received)
+                                strides, received, given)
                         break
                     for name in block.nodes:
                         run_lines(graph.node(name).lines, env)
@@ -857,7 +876,7 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
 def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_index, layouts, needs,
                    input_sinks: dict[str, GradSink], queue: GradientQueue,
                    strides: dict[str, tuple[int, ...]],
-                   received: dict[str, GradLayout] | None = None) -> BlockMeasure:
+                   received: dict[str, GradLayout] | None = None, given: set[str] = frozenset()) -> BlockMeasure:
     """Run one block node by node exactly as the executor runs it, and measure each node.
 
     Each node is an autograd island over all its lines; the tensors other nodes read (its
@@ -951,7 +970,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
 
             def forward_with_grad():
                 with saved.island(name), torch.set_grad_enabled(requires_grad):
-                    aliases[name] = run_island_lines(lines, env, sink_of, queue, position, targets,
+                    aliases[name] = run_island_lines([line for line in lines if line.name not in given], env,
+                                                     sink_of, queue, position, targets,
                                                      {fx for fx, reader in read_by_one.items() if reader == name})
                 values = [env[n] for n in exported]
                 saved.finish_island(name, values)

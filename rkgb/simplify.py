@@ -902,3 +902,79 @@ def split_of_view(view: torch.fx.Node, lines) -> torch.fx.Node | None:
             or tuple(base.shape) != tuple(value.shape):
         return None
     return users[0]
+
+
+# views whose backward sums the gradient (an ``expand``'s sums over the expanded dimensions, an
+# ``unfold``'s over overlapping windows): the sum of two readers' gradients taken through such a
+# backward apart rounds otherwise than eager's one backward of their sum
+SUMMING_VIEW_TARGETS = (torch.ops.aten.expand.default, torch.ops.aten.unfold.default)
+
+
+def summing_view_chain(root: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The views from ``root`` (a view of one tensor) on, each the one user of the one before,
+    up to the last whose backward sums (:data:`SUMMING_VIEW_TARGETS`): ``x[None].expand(4, -1,
+    -1)`` from the ``unsqueeze``. None where no view of that chain sums.
+
+    A gradient group of ``root`` (view groups, ``exec.codegen``) sums its readers' gradients
+    after each reader's island has run the whole chain's backward: exact for views that only
+    re-view or place the gradient, not for those that sum. The group of such a chain sums at the
+    size of its last view, and runs the chain's backward once on the sum
+    (:meth:`rkgb.gradsink.GradientQueue.alias`'s ``through``), as eager does; the plan counts
+    that sum at the view's size (``rkgb.build.first_run_bytes``)."""
+    chain = [root]
+    while True:
+        users = list(chain[-1].users)
+        if len(users) != 1 or users[0].op != "call_function" or classify(users[0]) is not OpKind.VIEW \
+                or len(users[0].all_input_nodes) != 1:
+            break
+        chain.append(users[0])
+    summing = [i for i, line in enumerate(chain) if line.target in SUMMING_VIEW_TARGETS]
+    return chain[: summing[-1] + 1] if summing else None
+
+
+def summed_parameter_views(graph: "SimplifiedGraph", trained: set[str] | frozenset[str]) -> dict[str, list[torch.fx.Node]]:
+    """Views of a trained parameter made once (``graph.global_views``) whose backward sums, that
+    several nodes read: the view's fx name -> the chain of views from the parameter to it
+    (:func:`summing_view_chain`). Each reader's island would run the view's backward on its own
+    gradient (Perceiver's ``latents.expand(batch, ...)``, read by a layer norm and a residual),
+    where eager sums first; the executor sums these views' gradients as a group."""
+    readers: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        for line in node.lines:
+            for arg in line.all_input_nodes:
+                readers.setdefault(arg.name, set()).add(node.name)
+    globals_ = {line.name for line in graph.global_views}
+    result: dict[str, list[torch.fx.Node]] = {}
+    for line in graph.global_views:
+        args = line.all_input_nodes
+        if len(args) != 1 or args[0].name not in trained or line.name in graph.outputs:
+            continue
+        chain = summing_view_chain(line)
+        if chain is None or any(view.name not in globals_ for view in chain):
+            continue
+        end = chain[-1]
+        if len(readers.get(end.name, ())) > 1 and end.name not in graph.outputs:
+            result[end.name] = chain
+    return result
+
+
+def summed_input_views(graph: "SimplifiedGraph", requiring_grad: set[str] | frozenset[str]
+                       ) -> dict[str, tuple[str, list[torch.fx.Node]]]:
+    """The view groups of model inputs that require grad (views made in their readers'
+    preludes, ``SimplifiedGraph.input_view_readers``) whose chain of views sums in its backward
+    (:func:`summing_view_chain`), made whole in every reader's prelude and not read through a
+    split: the chain's last view -> (the input, the chain). The executor sums their gradients at
+    the view's size (``exec.codegen``); the inspection reads that view as a leaf of its own."""
+    result: dict[str, tuple[str, list[torch.fx.Node]]] = {}
+    preludes = [(node, {line.name for line in node.prelude}) for node in graph.nodes]
+    for name in requiring_grad:
+        for root in graph.input_view_readers(name):
+            line = next(line for node in graph.nodes for line in node.prelude if line.name == root)
+            chain = summing_view_chain(line)
+            if chain is None or not isinstance(chain[-1].meta.get("val"), torch.Tensor):
+                continue
+            readers = [(node, names) for node, names in preludes if root in names]
+            if all(all(view.name in names for view in chain) and split_of_view(line, node.lines) is None
+                   for node, names in readers):
+                result[chain[-1].name] = (name, chain)
+    return result

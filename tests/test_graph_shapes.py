@@ -631,3 +631,64 @@ def test_values_written_into_a_zeros_like_get_their_gradients(fraction):
     result read elsewhere too would have trained without this contribution)."""
     torch.manual_seed(0)
     check_training(_StepwiseRecurrence(), (torch.randn(2, 4, 16),), fraction)
+
+
+class _ExpandedLatents(nn.Module):
+    """Perceiver's latents: a trained parameter expanded to the batch once, read by a layer norm
+    and by the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(8, 16))
+        self.norm, self.linear = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        latents = self.latents.expand(x.shape[0], -1, -1)
+        return latents + self.linear(self.norm(latents)) * x
+
+
+class _ExpandedInput(nn.Module):
+    """An input broadcast to a batch by views (``x[None].expand(...)``, or one ``expand``) that
+    two nodes read."""
+
+    def __init__(self, unsqueezed: bool) -> None:
+        super().__init__()
+        self.unsqueezed = unsqueezed
+        self.norm, self.linear = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        wide = x[None].expand(y.shape[0], -1, -1) if self.unsqueezed else x.expand(y.shape[0], -1, -1)
+        return wide + self.linear(self.norm(wide)) * y
+
+
+class _ExpandedResult(nn.Module):
+    """A node's result read by a node, then expanded (after it) and read by two more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.linear, self.norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x, y):
+        h = self.a(x)
+        early = torch.tanh(h)
+        wide = h[None].expand(y.shape[0], -1, -1)
+        return wide + self.linear(self.norm(wide)) * y + early
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.0])
+@pytest.mark.parametrize("case", ["parameter", "input", "unsqueezed input", "result"])
+def test_an_expanded_view_read_by_two_nodes_sums_before_its_backward(case, fraction):
+    """Eager sums the gradients of an ``expand`` (over the batch) once, on the sum of its readers'
+    gradients; each reader's island summed its own gradient over the batch, and the two sums were
+    added: 1 ulp off (transformers' Perceiver latents). The readers' gradients are now summed at
+    the view's size, and the expand's backward runs once (``rkgb.simplify.summing_view_chain``);
+    the plan counts that sum."""
+    generator = torch.Generator().manual_seed(0)
+    y = torch.randn(4, 8, 16, generator=generator)
+    x = torch.randn(8, 16, generator=generator).requires_grad_()
+    if case == "parameter":
+        check_training(_ExpandedLatents(), (y,), fraction)
+    elif case == "result":
+        check_training(_ExpandedResult(), (x, y), fraction)
+    else:
+        check_training(_ExpandedInput(case == "unsqueezed input"), (x, y), fraction)

@@ -137,6 +137,14 @@ MODELS = {
     "xlnet": lambda: (T.XLNetLMHeadModel(T.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2,
                                                         d_inner=64)),
                       {"input_ids": _ids(), "labels": _ids(), "use_mems": False}),
+    # its latents are a trained parameter expanded to the batch once and read by a layer norm and
+    # a residual: each island summed its gradient over the batch apart, where eager sums the
+    # two gradients first (the latents' gradient 1 ulp off, before view groups summed at the
+    # view's size: rkgb.simplify.summed_parameter_views)
+    "perceiver": lambda: (T.PerceiverForMaskedLM(T.PerceiverConfig(
+        vocab_size=VOCAB, d_model=32, d_latents=32, num_latents=8, num_self_attends_per_block=1,
+        num_self_attention_heads=2, num_cross_attention_heads=1, max_position_embeddings=16)),
+        {"inputs": _ids(), "labels": _ids()}),
     # SpecAugment off: its masks are drawn with numpy (see test_numpy_draws_in_the_forward_...)
     "wav2vec2": lambda: (T.Wav2Vec2Model(_wav2vec2_config(mask_time_prob=0.0)),
                          {"input_values": torch.randn(2, 800, generator=torch.Generator().manual_seed(0))}),
