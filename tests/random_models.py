@@ -75,6 +75,8 @@ OPS: dict[str, int] = {
     "grad_reverse": 1,  # a custom autograd.Function with a constant: identity, negated backward
     "positions_dropout": 1,  # a dropout of values made from constants alone, read twice (XLNet)
     "gate_write": 1,  # values that carry gradients written into a zeros made from constants
+    "expanded_query": 1,  # a trained parameter expanded to the batch once, read by two nodes (Perceiver)
+    "broadcast_mean": 1,  # a result read, then expanded (the view's backward sums) and read by two nodes
 }
 
 
@@ -90,6 +92,14 @@ class StraightThrough(torch.autograd.Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         return grad * (x.abs() <= 1)
+
+
+class _Query(nn.Module):
+    """A trained parameter of one vector: learned queries or latents, expanded to the batch."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.query = nn.Parameter(torch.randn(dim))
 
 
 class GradientReversal(torch.autograd.Function):
@@ -170,6 +180,8 @@ class ProgramModel(nn.Module):
                 layers[key] = nn.BatchNorm1d(d)
             elif ins.op == "cat_linear":
                 layers[key] = nn.Linear(2 * d, d)
+            elif ins.op == "expanded_query":
+                layers[key] = _Query(d)
         self.layers = nn.ModuleDict(layers)
         self.tied = first_linear
         if any(ins.op == "counter" for ins in program.instructions):
@@ -265,6 +277,14 @@ class ProgramModel(nn.Module):
                 gate = torch.zeros(a.shape[0], a.shape[1], dtype=a.dtype)
                 gate[:, 0] = a[:, 0, 0]
                 out = a * gate[..., None] + torch.tanh(gate)[..., None]  # (read by two nodes)
+            elif op == "expanded_query":
+                query = self.layers[key].query.expand(a.shape)
+                out = query * torch.tanh(a) + query
+            elif op == "broadcast_mean":
+                mean = a.mean(0)
+                early = torch.sigmoid(mean)
+                wide = mean[None].expand(a.shape[0], -1, -1)
+                out = wide * a + wide + early
             elif op == "grad_reverse":
                 out = GradientReversal.apply(a, 0.5)
             else:  # pragma: no cover - the grammar lists every op

@@ -38,6 +38,13 @@ GRID = dict(peak_steps=3, save_steps=3)
 # sixteenth session: a dropout of values made from constants alone, read by two nodes, drew a
 # mask in each reader (XLNet's positional encoding: every later mask another); values that
 # carry gradients written into a zeros made from constants (a KeyError in the inspection)
+# seventeenth session: an expand read by two nodes (a trained parameter's, Perceiver's latents; a
+# result's, made after another reader) had its backward run by each reader's island apart,
+# where eager sums the readers' gradients first (1 ulp off)
+@example(written([("linear", [0]), ("expanded_query", [1]), ("layer_norm", [2]), ("expanded_query", [3])], [4],
+                 seq=4, dim=8, seed=7), 1.0)
+@example(written([("linear", [0]), ("broadcast_mean", [1]), ("tanh", [2])], [3], batch=3, seq=4, dim=8,
+                 input_requires_grad=True, seed=8), 0.0)
 @example(written([("linear", [0]), ("positions_dropout", [1]), ("dropout", [2]), ("linear", [3])], [4], seq=6,
                  dim=8, seed=3), 1.0)
 @example(written([("linear", [0]), ("gate_write", [1]), ("tanh", [2]), ("gate_write", [3])], [4], seq=4, dim=8,
