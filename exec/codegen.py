@@ -311,12 +311,6 @@ class _Generator:
             if view not in self.delivered_groups and self.position[view] > position:
                 self.delivered_groups.add(view)
                 if view not in self.late_result_views:
-                    if self.contributions_waiting:
-                        # (at a backward absorbed by a merged island: the last engine call's
-                        # contributions to the group wait; delivered before them, they joined
-                        # the sink one by one, through the view's backward each)
-                        w("flush_gradients()  # the group's last contributions may be waiting")
-                        self.contributions_waiting = False
                     w(f"s.queue.deliver({view!r})")
                     continue
                 if self.contributions_waiting:

@@ -267,8 +267,19 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
     if needs is None:
         needs = gradient_needs(graph, global_requires_grad(graph, model, sample))
     trained = {name for name, path in graph.captured.parameters.items() if model.get_parameter(path).requires_grad}
+
+    def delivery(view: str) -> str | None:
+        """Where the executor passes a view group's sum on (exec.codegen._deliver_view_groups):
+        before the first backward of a node made before the view, at the latest that of the
+        last such node; None: at the backward's end."""
+        before = [node for node in graph.nodes
+                  if position[node.main.name] < position[view] and needs[node.name].requires_grad]
+        return cname(max(before, key=lambda node: position[node.main.name]).name, ComputeKind.BACKWARD) \
+            if before else None
+
     for view, chain in summed_parameter_views(graph, trained).items():
-        total = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True)
+        total = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True,
+                         until=delivery(view))
         for node in graph.nodes:
             if needs[node.name].requires_grad:
                 for _ in range(_contributions(node, view, graph)):
@@ -310,7 +321,8 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         summed = summed_input_views(graph, {name})
         summed_lines = {line.name for _, chain in summed.values() for line in chain}
         for view, (_, chain) in summed.items():
-            view_grad = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True)
+            view_grad = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True,
+                                 until=delivery(chain[0].name))  # (the group is named by its first view)
             view_readers = [node for node in graph.nodes if any(line.name == view for line in node.prelude)]
             for node in view_readers:
                 result.setdefault(cname(node.name, ComputeKind.BACKWARD), []).extend(

@@ -297,6 +297,10 @@ class GradientQueue:
         """Hand the waiting contributions to their sinks: each sink's in the engine's order, or
         in the ranks' order for the reads of a leaf read more than once."""
         pending, self.pending[:] = list(self.pending), []
+        self._hand_over(pending)
+
+    def _hand_over(self, pending: list) -> None:
+        """:meth:`flush` of the contributions ``pending``."""
         by_sink: dict[int, list] = {}
         for entry in pending:
             by_sink.setdefault(id(entry[1]), []).append(entry)
@@ -325,6 +329,13 @@ class GradientQueue:
     def deliver(self, group: str) -> None:
         """The backward reaches the place of eager's view ``group`` (every node made after the
         view has run its backward): the group's sum joins its sink."""
+        # its contributions still waiting (a merged island's engine call made them, with
+        # others that wait for the next flush): eager's view backward runs on all of them
+        mine = [entry for entry in self.pending if entry[3] in (group, group + PIECES)]
+        if mine:
+            self.pending[:] = [entry for entry in self.pending if entry[3] not in (group, group + PIECES)]
+            self._hand_over(mine)
+            del mine
         self.delivered.add(group)
         self.delivered.add(group + PIECES)
         self._fold_pieces(lambda name: name == group + PIECES)

@@ -806,8 +806,58 @@ def _group_views_of_results(graph: SimplifiedGraph) -> None:
                           and position[line.name] < position[graph.node(holder[user.name]).main.name]
                           < position[reader.main.name]
                           for user in base.users)
-            if between:
+            if between and not _disjoint_pieces(base, graph):
                 graph.grouped_views[line.name] = base.name
+
+
+def _piece(line: torch.fx.Node) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)`` of the part of its input that ``line`` views where it is a
+    ``select`` or a ``slice`` with step 1 (dimension and bounds normalized), else None."""
+    base = line.args[0].meta.get("val") if line.args and isinstance(line.args[0], torch.fx.Node) else None
+    if not isinstance(base, torch.Tensor) or base.dim() == 0:
+        return None
+    if line.target is torch.ops.aten.select.int:
+        dim = line.args[1] % base.dim()
+        index = line.args[2] % base.shape[dim]
+        return dim, index, index + 1
+    if line.target is torch.ops.aten.slice.Tensor:
+        args = list(line.args) + [None] * (5 - len(line.args))
+        dim = (args[1] if args[1] is not None else 0) % base.dim()
+        size = base.shape[dim]
+        start, stop, step = args[2] if args[2] is not None else 0, args[3] if args[3] is not None else size, args[4] or 1
+        if step != 1:
+            return None
+        start, stop = (start + size if start < 0 else start), (stop + size if stop < 0 else stop)
+        return dim, max(0, min(start, size)), max(0, min(stop, size))
+    return None
+
+
+def _disjoint_pieces(base: torch.fx.Node, graph: SimplifiedGraph) -> bool:
+    """Whether every read of node result ``base`` is a ``select`` or ``slice`` of it, along one
+    dimension, each of another part (``nn.MultiheadAttention``'s q, k and v of its packed
+    projection), each read by one node, and the user does not get ``base``.
+
+    Each part's gradient then reaches ``base``'s as a tensor of zeros but in its part: their
+    sum is exact in any order (adding zeros is exact, and a negative zero becomes a positive
+    one whatever the order once two are added), so that no part needs a view group to keep
+    eager's order, and ``base``'s gradient is one buffer, as eager's, not one per group."""
+    if base.name in graph.outputs or base.name in graph.captured.user_outputs:
+        return False
+    pieces = []
+    for user in base.users:
+        piece = _piece(user)
+        if piece is None or len({holder for holder in _readers_of(user, graph)}) > 1:
+            return False
+        pieces.append(piece)
+    if len({dim for dim, _, _ in pieces}) != 1:
+        return False
+    spans = sorted((start, stop) for _, start, stop in pieces)
+    return all(stop <= next_start for (_, stop), (next_start, _) in zip(spans, spans[1:]))
+
+
+def _readers_of(line: torch.fx.Node, graph: SimplifiedGraph) -> set[str]:
+    """The nodes with a line that reads ``line``."""
+    return {node.name for node in graph.nodes for other in node.lines if line in other.all_input_nodes}
 
 
 def _fx_positions(graph: SimplifiedGraph) -> dict[str, int]:

@@ -230,6 +230,15 @@ class _Storages:
             self.pending.append((d, 0, self._new(entry.bytes)))
         return self.memory - before
 
+    def release_first_run(self, entry: FirstRun) -> None:
+        """The gradient of first-run ``entry`` (accumulating) joins another and is freed."""
+        d = _FIRST_RUN + entry.key
+        for waiting in [waiting for waiting in self.pending if waiting[0] == d]:
+            self.pending.remove(waiting)
+            self._release(waiting[2])
+        if d in self.storage:
+            self.forget(d)
+
     def flush(self, only: str | None = None) -> int:
         """Add the waiting contributions (to gradient ``only``, or all) into their gradients;
         return the peak while it runs: what was there, plus the new sums whose old gradient
@@ -449,7 +458,10 @@ def simulate(
         for entry in released_by.get(node.name, ()):
             if entry.key in first_runs:
                 first_runs.discard(entry.key)
-                kept -= entry.bytes
+                if entry.accumulates:  # a gradient of its own (a view group summed at its size)
+                    storages.release_first_run(entry)
+                else:
+                    kept -= entry.bytes
         memory = storages.memory
         if flushed > peak:
             peak, peak_index = flushed, i

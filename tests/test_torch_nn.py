@@ -110,11 +110,37 @@ def test_multihead_attention_layers_plan_below_eagers_peak():
         probe = model(*sample)
     eager = eager_peak(model, sample, DotLoss(probe))
     assert min_budget(model, sample, cost_model="flops") <= 0.75 * eager
-    # (the plan over-predicts by up to 15% here: a group's sum is counted at the size of the
-    # packed projection, where the executor's holds one more such tensor only while both k's
-    # and v's readers have run; the allocator's peak is under the budget all the same)
-    report = check_training(model, sample, 0.7, tolerance=0.2)
+    # (the plan over-predicted by up to 15% here before q, k and v, disjoint parts of the packed
+    # projection, needed no view groups: rkgb.simplify._disjoint_pieces)
+    report = check_training(model, sample, 0.7)
     assert report is not None and not report.at_minimum
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_one_multihead_attention_layer_is_planned_as_it_runs(dropout):
+    """One ``nn.MultiheadAttention`` returning its output and its averaged weights (its
+    defaults): k's and v's readers summed their gradients in view groups of the packed
+    projection's size, each counted beside its gradient; the plan without recomputation
+    predicted 1.46x eager's peak (1.10x measured), and no budget below it was feasible. q, k and v
+    are disjoint parts of the projection: their gradients add up exactly in any order, with no
+    group (``rkgb.simplify._disjoint_pieces``); the plan predicts what the step measures."""
+    torch.manual_seed(0)
+    model = nn.MultiheadAttention(16, 2, batch_first=True, dropout=dropout)
+    x = _inputs((4, 8, 16))[0]
+
+    class _Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = model
+
+        def forward(self, h):
+            return self.attention(h, h, h)
+
+    report = check_training(_Both(), (x,), 1.0)
+    # (above eager's peak: k's and v's readers run the select's backward in their islands, a
+    # gradient of the projection's size each from their backward on, where eager holds the
+    # parts' gradients until the selects' backward at the end; README Known limits)
+    assert report is not None and max(report.measured_peaks) <= 1.15 * report.eager_peak
 
 
 class _VariationalAutoencoder(nn.Module):
