@@ -709,6 +709,11 @@ def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
             later = node.body[node.body.index(line) + 1:]
             if any(classify(other) is OpKind.INPLACE for other in later):
                 continue
+            if _piece(line) is not None and line.args[0] in node.lines and _disjoint_pieces(line.args[0], graph):
+                # disjoint parts of the result (nn.MultiheadAttention's q, k and v): kept as its
+                # views, their gradients part-sized until the node's backward runs the parts'
+                # backward, as eager's do (made in the readers, each gradient was the result's size)
+                continue
             readers = {line_holder.get(user.name) for user in line.users}
             if piece:  # the split moves with its pieces: all of them read by that one node
                 readers |= {line_holder.get(user.name) for sibling in line.args[0].users for user in sibling.users}

@@ -123,7 +123,8 @@ def test_one_multihead_attention_layer_is_planned_as_it_runs(dropout):
     projection's size, each counted beside its gradient; the plan without recomputation
     predicted 1.46x eager's peak (1.10x measured), and no budget below it was feasible. q, k and v
     are disjoint parts of the projection: their gradients add up exactly in any order, with no
-    group (``rkgb.simplify._disjoint_pieces``); the plan predicts what the step measures."""
+    group (``rkgb.simplify._disjoint_pieces``); the plan predicts what the step measures, and
+    that is eager's peak."""
     torch.manual_seed(0)
     model = nn.MultiheadAttention(16, 2, batch_first=True, dropout=dropout)
     x = _inputs((4, 8, 16))[0]
@@ -137,10 +138,11 @@ def test_one_multihead_attention_layer_is_planned_as_it_runs(dropout):
             return self.attention(h, h, h)
 
     report = check_training(_Both(), (x,), 1.0)
-    # (above eager's peak: k's and v's readers run the select's backward in their islands, a
-    # gradient of the projection's size each from their backward on, where eager holds the
-    # parts' gradients until the selects' backward at the end; README Known limits)
-    assert report is not None and max(report.measured_peaks) <= 1.15 * report.eager_peak
+    # and as eager holds it: the parts stay views of the projection's node, their gradients
+    # part-sized until its backward runs theirs (made in their readers, each reader's backward
+    # made a projection-sized one: 1.10-1.20x eager's peak)
+    assert report is not None and not report.at_minimum
+    assert max(report.measured_peaks) <= report.eager_peak
 
 
 class _VariationalAutoencoder(nn.Module):
