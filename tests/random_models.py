@@ -77,6 +77,7 @@ OPS: dict[str, int] = {
     "gate_write": 1,  # values that carry gradients written into a zeros made from constants
     "expanded_query": 1,  # a trained parameter expanded to the batch once, read by two nodes (Perceiver)
     "broadcast_mean": 1,  # a result read, then expanded (the view's backward sums) and read by two nodes
+    "halves": 1,  # disjoint slices of a result read by two nodes, one of them a cat
 }
 
 
@@ -280,6 +281,9 @@ class ProgramModel(nn.Module):
             elif op == "expanded_query":
                 query = self.layers[key].query.expand(a.shape)
                 out = query * torch.tanh(a) + query
+            elif op == "halves":
+                half = a.shape[1] // 2
+                out = torch.cat([a[:, :half], torch.tanh(a[:, half:])], dim=1)
             elif op == "broadcast_mean":
                 mean = a.mean(0)
                 early = torch.sigmoid(mean)
