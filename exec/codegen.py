@@ -34,8 +34,8 @@ import torch.fx
 
 from rkgb.functions import applied_function
 from rkgb.interpret import batch_norms_in_place, tensor_args
-from rkgb.simplify import (SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, split_of_view,
-                           summed_input_views, summed_parameter_views, summing_view_chain)
+from rkgb.simplify import (SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, parameter_gradient_sources,
+                           split_of_view, summed_input_views, summed_parameter_views, summing_view_chain)
 from solvers.schedule import Compute, Forget, Schedule
 
 __all__ = ["GeneratedCode", "MARKER_PREFIX", "ScheduleError", "NodeInfo", "node_infos", "generate"]
@@ -643,10 +643,20 @@ class _Generator:
             w(f"free_phantoms({name!r})")
 
     def shared_parameters(self) -> list[str]:
-        """Parameters read by more than one node (directly or through views)."""
+        """Parameters whose gradient has several sources: the nodes that read them (directly or
+        through views), a view whose gradients are summed apart counting once."""
         readers = self.graph.readers()
-        return [name for name in self.graph.captured.parameters
-                if len(readers.get(name, ())) > 1 and name not in self.aliased_parameters]
+        viewed = {chain[0].all_input_nodes[0].name for chain in self.parameter_views.values()}
+        shared = []
+        for name in self.graph.captured.parameters:
+            if name in self.aliased_parameters or len(readers.get(name, ())) < 2:
+                continue
+            if name in viewed:
+                direct, views = parameter_gradient_sources(self.graph, name, self.parameter_views)
+                if len(direct) + views < 2:
+                    continue
+            shared.append(name)
+        return shared
 
     # -- phases ----------------------------------------------------------------------------
     def header(self, w: _Writer) -> None:

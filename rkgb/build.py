@@ -21,8 +21,8 @@ from .disk_cache import source_digest
 from .functions import function_identity
 from .inspect import BlockMeasure, gradient_layouts, inspect_chain
 from .interpret import global_requires_grad, tensor_args
-from .simplify import (SimplifiedGraph, gradient_needs, simplify, split_of_view, summed_input_views,
-                       summed_parameter_views, summing_view_chain)
+from .simplify import (SimplifiedGraph, gradient_needs, parameter_gradient_sources, simplify, split_of_view,
+                       summed_input_views, summed_parameter_views, summing_view_chain)
 
 __all__ = ["ModelGraphs", "build", "cdgraph_of_class"]
 
@@ -294,11 +294,17 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
     # Without grad_accumulation, a step that finds values there is refused (exec.runtime).
     # Only the readers whose backward runs contribute (one whose results get no gradient, a
     # layer feeding an unused batch norm, adds nothing: no sum where one reader is left)
+    # (a view of it whose gradients are summed apart, exec.codegen, contributes once)
+    summed_views = summed_parameter_views(graph, trained)
     for name, path in graph.captured.parameters.items() if grad_accumulation else ():
         parameter = model.get_parameter(path)
         contributing = [reader for reader in readers.get(name, ()) if needs[reader].requires_grad]
         if not parameter.requires_grad or len(contributing) < 2:
             continue
+        if any(chain[0].all_input_nodes[0].name == name for chain in summed_views.values()):
+            direct, views = parameter_gradient_sources(graph, name, summed_views)
+            if len([reader for reader in direct if needs[reader].requires_grad]) + views < 2:
+                continue
         total = FirstRun(parameter_sum_key(name), parameter.untyped_storage().nbytes(), in_overhead=True)
         for reader in contributing:
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(total)

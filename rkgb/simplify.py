@@ -1036,3 +1036,17 @@ def summed_input_views(graph: "SimplifiedGraph", requiring_grad: set[str] | froz
                    for node, names in readers):
                 result[chain[-1].name] = (name, chain)
     return result
+
+
+def parameter_gradient_sources(graph: "SimplifiedGraph", name: str, summed: dict[str, list[torch.fx.Node]]
+                               ) -> tuple[set[str], int]:
+    """Where the gradient of parameter ``name`` comes from: the nodes that read it (or a view of
+    it) other than through the views of ``summed`` (:func:`summed_parameter_views`), and how many
+    of those views it has (each gives it one contribution, when its group is delivered). A
+    parameter with one source in all needs no sum of its contributions apart
+    (``exec.runtime._stash_grad``): eager's ``AccumulateGrad`` adds that one into ``.grad``."""
+    views = [view for view, chain in summed.items() if chain[0].all_input_nodes[0].name == name]
+    through = {line.name for view in views for line in summed[view]}
+    direct = {node.name for node in graph.nodes for line in node.lines for arg in line.all_input_nodes
+              if arg.name not in through and graph.owner.get(arg.name, arg.name) == name}
+    return direct, len(views)

@@ -692,3 +692,22 @@ def test_an_expanded_view_read_by_two_nodes_sums_before_its_backward(case, fract
         check_training(_ExpandedResult(), (x, y), fraction)
     else:
         check_training(_ExpandedInput(case == "unsqueezed input"), (x, y), fraction)
+
+
+def test_gradients_of_an_expanded_parameter_accumulate_as_eagers():
+    """The latents' gradient reaches ``.grad`` once per step (the sum of the expand's readers,
+    through its backward): added into the gradient of the steps before, as eager's
+    ``AccumulateGrad`` adds it, with no sum of the step's contributions apart (the plan counts
+    none: the no-recomputation plan at or under eager's peak)."""
+    torch.manual_seed(0)
+    model = _ExpandedLatents()
+    compiled = Rockmate(copy.deepcopy(model), (torch.randn(4, 8, 16),), 10**9, solver="none", cost_model="flops")
+    assert not any(entry.key.endswith(".grad.sum") for entries in compiled.plan.first_run_bytes.values()
+                   for entry in entries)
+    for step in range(3):  # no zero_grad: the gradients accumulate
+        y = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(step))
+        weights = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(10 + step))
+        (compiled(y) * weights).sum().backward()
+        (model(y) * weights).sum().backward()
+        for (path, p), q in zip(model.named_parameters(), compiled.model.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {path}"
