@@ -377,37 +377,31 @@ class _Generator:
                 if arg.name in through:
                     base, sink, is_global, group = through[arg.name]
                     chain = self.summing_groups.get(group) or self.parameter_views[group]
-                    alias = f"{arg.name}_read{len(self.split_aliases)}"
-                    self.split_aliases.append(alias)
+                    alias = self._read_alias(arg.name)
                     w(f"{alias} = use({base}, {sink}, ({-self.position[line.name]}, {k}), {is_global}, {group!r}, "
                       f"through={self.view_function(group, chain)})")
                     sources.append(alias)
                 elif arg.name in remade:
                     view = lines_by_name[arg.name]
                     base = self._input_of_view(view)
-                    alias = f"{base}_read{len(self.split_aliases)}"
-                    self.split_aliases.append(alias)
+                    alias = self._read_alias(base)
                     w(f"{alias} = use(s.{base}, s.sink_{base}, ({-self.position[line.name]}, {k}), True, {view.name!r})")
-                    copy = f"{view.name}_read{len(self.split_aliases)}"
-                    self.split_aliases.append(copy)
+                    copy = self._read_alias(view.name)
                     w(f"{copy} = {self.call(view, [alias])}")
                     sources.append(copy)
                 elif line.name in grouped and arg.name in self.sink_names and arg.name in self.input_names:
-                    alias = f"{arg.name}_read{len(self.split_aliases)}"
-                    self.split_aliases.append(alias)
+                    alias = self._read_alias(arg.name)
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), True, "
                       f"{_group_argument(line, node.lines)})")
                     sources.append(alias)
                 elif line.name in grouped and self.graph.grouped_views.get(line.name) == arg.name \
                         and arg.name in self.sink_names:
-                    alias = f"{arg.name}_read{len(self.split_aliases)}"
-                    self.split_aliases.append(alias)
+                    alias = self._read_alias(arg.name)
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}), False, "
                       f"{_group_argument(line, node.lines)})")
                     sources.append(alias)
                 elif arg.name in split:
-                    alias = f"{arg.name}_read{len(self.split_aliases)}"
-                    self.split_aliases.append(alias)
+                    alias = self._read_alias(arg.name)
                     is_global = ", True" if arg.name in self.input_names else ""
                     w(f"{alias} = use(s.{arg.name}, s.sink_{arg.name}, ({-self.position[line.name]}, {k}){is_global})")
                     sources.append(alias)
@@ -415,6 +409,12 @@ class _Generator:
                     sources.append(arg.name if arg.name in own else self.ref(arg.name))
             reads[line.name] = sources
         return reads
+
+    def _read_alias(self, name: str) -> str:
+        """A fresh local for one read of ``name`` in the island being written (deleted after it)."""
+        alias = f"{name}_read{len(self.split_aliases)}"
+        self.split_aliases.append(alias)
+        return alias
 
     def _input_of_view(self, line: torch.fx.Node) -> str | None:
         """The model input (with a gradient sink) that ``line``, a view, reads as its one fx

@@ -435,11 +435,9 @@ def _inspect_blocks(graph, chain, model, sample, device, needs, clock, represent
                 input_sinks[view] = GradSink(env[view], queue)
             # and so are those of inputs' views made in each reader (their lines not run in islands)
             for view, (base, views) in summed_input_views(graph, set(input_sinks)).items():
-                value = env[base].detach()
-                for line in views:
-                    args, kwargs = torch.fx.node.map_arg((line.args, line.kwargs), lambda _node: value)
-                    value = line.target(*args, **kwargs)
-                env[view] = value.requires_grad_()
+                made = {base: env[base].detach()}
+                run_lines(views, made)
+                env[view] = made[view].requires_grad_()
                 input_sinks[view] = GradSink(env[view], queue)
                 given |= {line.name for line in views}
             with torch.no_grad():
