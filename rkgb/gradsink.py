@@ -36,8 +36,8 @@ class GradSink:
     With a :class:`GradientQueue`, a contribution waits in it until the backward that made it
     has let go of its own incoming gradient and saved tensors (:meth:`GradientQueue.flush`), as
     eager's engine adds a node's outputs into the next buffers only after releasing its inputs.
-    For the inspection: ``keys``, when it is set to a list, records the storage of each
-    contribution (to tell an alias of the incoming gradient); ``last_bytes`` is the last one's
+    For the inspection: ``keys``, when set (``rkgb.inspect._AliasRecorder``), records for each
+    contribution which part of the incoming gradient it is an alias of; ``last_bytes`` is the last one's
     bytes (a slice of a bigger tensor holds all of it); ``first_shared``: the first contribution
     (the gradient) shares its storage with another tensor (a view's base), so that the next one
     is not added into it in place.
@@ -48,7 +48,7 @@ class GradSink:
     def __init__(self, leaf: torch.Tensor, queue: "GradientQueue | None" = None) -> None:
         self.leaf = leaf
         self.calls = 0  # contributions received (for the inspection)
-        self.keys: list[int] | None = None  # None: not recording (the executor's sinks)
+        self.keys = None  # the inspection's rkgb.inspect._AliasRecorder; None: not recording
         self.last_bytes = 0
         self.first_shared = False
         self.first_owned = False  # ... yet freed with it (a view of a result of its own size)
@@ -65,7 +65,7 @@ class GradSink:
         if grad is not None:
             self.calls += 1
             if self.keys is not None:
-                self.keys.append(grad.untyped_storage().data_ptr())
+                self.keys.record(grad)
             self.last_bytes = grad.untyped_storage().nbytes()
             old = self.leaf.grad
             # held by the leaf's .grad and by `old` alone: the gradient's only holder

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -622,10 +623,14 @@ class GradLayout(NamedTuple):
     # one storage (the pieces of a `chunk` read by a `cat`, whose backward slices its gradient)
     # count it once between them, each by its own bytes (:func:`node_layouts`)
     share: float = 1.0
+    # where in that storage it starts (elements), and which of the node's shared storages it is
+    # a slice of (-1: none): the inspection makes such gradients over one storage, as eager's
+    offset: int = 0
+    group: int = -1
 
     @classmethod
     def of(cls, grad: torch.Tensor) -> "GradLayout":
-        return cls(tuple(grad.stride()), int(grad.untyped_storage().nbytes()))
+        return cls(tuple(grad.stride()), int(grad.untyped_storage().nbytes()), offset=int(grad.storage_offset()))
 
 
 def node_layouts(parts: list[tuple[str, torch.Tensor]]) -> dict[str, GradLayout]:
@@ -643,19 +648,32 @@ def node_layouts(parts: list[tuple[str, torch.Tensor]]) -> dict[str, GradLayout]
         layout = GradLayout.of(grad)
         sharing = slices.get(grad.untyped_storage()._cdata, [])
         if len(sharing) > 1:
-            layout = layout._replace(share=own[name] / sum(own[m] for m in sharing))
+            group = list(slices).index(grad.untyped_storage()._cdata)
+            layout = layout._replace(share=own[name] / sum(own[m] for m in sharing), group=group)
         layouts[name] = layout
     return layouts
 
 
-def _output_gradient(leaf: torch.Tensor, layout: GradLayout | None) -> torch.Tensor:
+def _output_gradient(leaf: torch.Tensor, layout: GradLayout | None,
+                     shared: dict[int, torch.Tensor]) -> torch.Tensor:
     """A gradient for an output of the block, in the layout the executor will give it (a view
-    of a bigger storage where eager's is)."""
+    of a bigger storage where eager's is; the node's gradients that are slices of one storage,
+    the pieces of a ``cat``'s gradient, over one storage: ``shared``, by group, for one node)."""
     if layout is None:
         return torch.ones_like(leaf)
     count = max(layout.storage_bytes // leaf.element_size(), 1)
-    storage = torch.empty(count, dtype=leaf.dtype, device=leaf.device)
-    return storage.as_strided(leaf.shape, layout.stride).fill_(1)
+    storage = shared.get(layout.group) if layout.group >= 0 else None
+    if storage is None:
+        storage = torch.empty(count, dtype=leaf.dtype, device=leaf.device)
+        if layout.group >= 0:
+            shared[layout.group] = storage
+    offset = layout.offset if layout.offset + _extent(leaf.shape, layout.stride) <= count else 0
+    return storage.as_strided(leaf.shape, layout.stride, offset).fill_(1)
+
+
+def _extent(shape, stride) -> int:
+    """The elements a tensor of ``shape`` and ``stride`` spans from its first one."""
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0
 
 
 def _held_bytes(leaf: torch.Tensor, layout: GradLayout | None) -> int:
@@ -827,6 +845,22 @@ def _sole_view(tensor: torch.Tensor) -> bool:
     return tensor._base is not None and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 3
 
 
+def _sole_views(tensors: list[torch.Tensor]) -> bool:
+    """Views of one storage (the slices of a ``cat``'s gradient) that alone hold it besides
+    their base: the engine frees it once it has used them all."""
+    return all(t._base is not None for t in tensors) \
+        and torch._C._storage_Use_Count(tensors[0].untyped_storage()._cdata) <= len(tensors) + 2
+
+
+def _copied_storage_of(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` (one, or views of one storage) over one copy of their storage, made now."""
+    if len(tensors) == 1:
+        return [_copied_storage(tensors[0])]
+    storage = tensors[0].untyped_storage().clone()
+    return [torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
+            for t in tensors]
+
+
 def _copied_storage(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` over a copy of its whole storage (same values, geometry and layout), made now:
     a dense tensor is cloned, a view re-made over a copy of the storage it views."""
@@ -837,7 +871,55 @@ def _copied_storage(tensor: torch.Tensor) -> torch.Tensor:
         storage, tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
-def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tensor], incoming: dict[int, int],
+class _IncomingParts:
+    """The storages of the parts of a backward's incoming gradient (storage key -> part), to
+    tell which gradients that the backward makes are aliases of them.
+
+    A storage is known by its data pointer only while it is alive: the engine frees an incoming
+    gradient once used, and the allocator may hand its address to the next tensor (a new
+    gradient of the same size), which a bare pointer would take for an alias. Each entry keeps a
+    weak reference to its storage (storages keep their Python object while alive) and counts
+    only while that storage is; a sink resolves each contribution when it receives it
+    (:meth:`recorder`), while both are alive."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[int, weakref.ref]] = {}
+
+    def add(self, tensor: torch.Tensor, part: int) -> None:
+        storage = tensor.untyped_storage()
+        self._entries[storage.data_ptr()] = (part, weakref.ref(storage))
+
+    def pop(self, tensor: torch.Tensor) -> int | None:
+        """The part of ``tensor``'s storage, no longer recorded (None if it is none)."""
+        part = self.part(tensor)
+        if part >= 0:
+            del self._entries[tensor.untyped_storage().data_ptr()]
+        return None if part < 0 else part
+
+    def part(self, tensor: torch.Tensor) -> int:
+        """The part of the incoming gradient whose storage ``tensor`` shares, or -1."""
+        storage = tensor.untyped_storage()
+        entry = self._entries.get(storage.data_ptr())
+        return entry[0] if entry is not None and entry[1]() is storage else -1
+
+    def recorder(self) -> "_AliasRecorder":
+        return _AliasRecorder(self)
+
+
+class _AliasRecorder(list):
+    """A sink's ``keys`` (:class:`rkgb.gradsink.GradSink`) during the inspection: for each
+    contribution, the part of the incoming gradient it is an alias of, or -1, resolved when the
+    sink receives it."""
+
+    def __init__(self, incoming: _IncomingParts) -> None:
+        super().__init__()
+        self.incoming = incoming
+
+    def record(self, grad: torch.Tensor) -> None:
+        self.append(self.incoming.part(grad))
+
+
+def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tensor], incoming: _IncomingParts,
                      phantoms=((lambda: None), 0)) -> int:
     """The peak of an island's backward from several outputs, run as the executor runs it
     (:func:`rkgb.gradsink.handoff_backward`: the engine alone holds the incoming gradients and
@@ -852,20 +934,27 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
     the gradient) follows the copies."""
     root = handoff(*island)
     on_cpu = island[0].device.type == "cpu"  # (CUDA's figures see every free: nothing to copy)
-    copied = [i for i, leaf in enumerate(leaves) if on_cpu and leaf.grad is not None
-              and (owns_its_storage(leaf.grad) or _sole_view(leaf.grad))]
-    copied_bytes = sum(leaves[i].grad.untyped_storage().nbytes() for i in copied)
+    by_storage: dict[int, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if on_cpu and leaf.grad is not None:
+            by_storage.setdefault(storage_key(leaf.grad), []).append(i)
+    copied = [group for group in by_storage.values()
+              if (len(group) == 1 and (owns_its_storage(leaves[group[0]].grad) or _sole_view(leaves[group[0]].grad)))
+              or (len(group) > 1 and _sole_views([leaves[i].grad for i in group]))]
+    copied_bytes = sum(leaves[group[0]].grad.untyped_storage().nbytes() for group in copied)
 
     move, moved = phantoms
 
     def run():
         move()
-        for i in copied:
-            old_key = storage_key(leaves[i].grad)
-            leaves[i].grad = _copied_storage(leaves[i].grad)
-            part = incoming.pop(old_key, None)
-            if part is not None:
-                incoming[storage_key(leaves[i].grad)] = part
+        for group in copied:
+            parts = [incoming.pop(leaves[i].grad) for i in group]
+            for i, copy in zip(group, _copied_storage_of([leaves[i].grad for i in group])):
+                leaves[i].grad = copy
+            for i, part in zip(group, parts):
+                if part is not None:
+                    incoming.add(leaves[i].grad, part)
+            copy = None  # the leaves alone hold the copies, which the engine frees once used
         handoff_backward(root, tuple(leaves))
 
     return meter.measure(run) - copied_bytes - moved
@@ -1019,10 +1108,12 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 output_parts[anonymous[name]] = given
             else:
                 given = list(range(len(names)))
+            shared: dict[int, torch.Tensor] = {}
             for i in given:
                 leaf = grad_leaves[name][i][0]
-                leaf.grad = _output_gradient(leaf, layouts.get(names[i]))
+                leaf.grad = _output_gradient(leaf, layouts.get(names[i]), shared)
                 state.produce((name, i), 0, False)
+            shared = None
 
         for measure, name in reversed(list(zip(results, block.nodes))):
             node = graph.node(name)
@@ -1032,15 +1123,16 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             outputs = [t for t, _ in pairs]
             grads = [g for _, g in pairs]
             # the storage of each part of the incoming gradient
-            incoming = {
-                storage_key(leaf.grad): j for j, (leaf, _) in enumerate(grad_leaves[name]) if leaf.grad is not None
-            }
+            incoming = _IncomingParts()
+            for j, (leaf, _) in enumerate(grad_leaves[name]):
+                if leaf.grad is not None:
+                    incoming.add(leaf.grad, j)
             targets = [d for d in node.data_deps if grad_leaves.get(d)]
             dep_leaves = [leaf for d in targets for leaf, _ in grad_leaves[d]]
             calls = {d: [sink.calls for _, sink in grad_leaves[d]] for d in targets}
             for d in targets:
                 for _, sink in grad_leaves[d]:
-                    sink.keys = []  # the storages of this backward's contributions
+                    sink.keys = incoming.recorder()  # which contributions are aliases of the incoming gradient
             new_grad_bytes = _storage_bytes([t for t in dep_leaves if t.grad is None])
             reads = sorted(saved.references_of(name))
             measure.backward_reads = [anonymous[r] for r in reads if r in anonymous]
@@ -1059,7 +1151,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 for leaf in input_leaves:
                     leaf.grad = None
                 for sink in input_sinks.values():
-                    sink.keys = []  # the storages of this backward's contributions to the inputs
+                    sink.keys = incoming.recorder()  # the same for the contributions to the inputs
                 # as the executor: the engine runs, the incoming gradient and the phantoms go,
                 # then the contributions join the next gradients (the simulator's flush: not a
                 # temporary of this backward)
@@ -1101,7 +1193,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 # gradient): not a temporary of this backward
                 sinks = {id(sink) for sink in input_sinks.values()}
                 made = {storage_key(entry[2]): entry[2].untyped_storage().nbytes() for entry in queue.pending
-                        if id(entry[1]) in sinks and storage_key(entry[2]) not in incoming}
+                        if id(entry[1]) in sinks and incoming.part(entry[2]) < 0}
                 peak -= sum(made.values())
                 if handed is not None:
                     handed -= sum(made.values())
@@ -1111,7 +1203,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 queue.flush()
                 for fx_name, sink in input_sinks.items():
                     if sink.keys:
-                        measure.input_grad_aliases[fx_name] = [incoming.get(key, -1) for key in sink.keys]
+                        measure.input_grad_aliases[fx_name] = list(sink.keys)
                     sink.keys = None
                 for leaf in input_leaves:
                     leaf.grad = None
@@ -1125,7 +1217,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     count = sink.calls - calls[d][i]  # several: a node reading the part twice
                     # the part of the incoming gradient that every contribution is (an add's
                     # backward passes it on to each read), or -1
-                    found = {incoming.get(key, -1) for key in sink.keys}
+                    found = set(sink.keys)
                     source = found.pop() if len(found) == 1 else -1
                     sink.keys = None
                     if count == 1 and source < 0 and sink.last_bytes > sizes[i]:

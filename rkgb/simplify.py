@@ -709,13 +709,11 @@ def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
             later = node.body[node.body.index(line) + 1:]
             if any(classify(other) is OpKind.INPLACE for other in later):
                 continue
-            if _piece(line) is not None and line.args[0] in node.lines and _disjoint_pieces(line.args[0], graph) \
-                    and len(set().union(*(_readers_of(user, graph) for user in line.args[0].users))) > 1:
-                # disjoint parts of the result that several nodes read (nn.MultiheadAttention's q,
-                # k and v): kept as its views, their gradients part-sized until the node's
-                # backward runs the parts' backward, as eager's do (made in their readers, each
-                # reader's gradient was the result's size; parts that one node reads go to it:
-                # its backward sums them in one result-sized gradient)
+            if _piece(line) is not None and line.args[0] in node.lines and _disjoint_pieces(line.args[0], graph):
+                # disjoint parts of the result (nn.MultiheadAttention's q, k and v): kept as its
+                # views, their gradients part-sized until the node's backward runs the parts'
+                # backward, as eager's do (made in their readers, each reader's gradient was the
+                # result's size, the whole projection's where one SDPA reads the three)
                 continue
             readers = {line_holder.get(user.name) for user in line.users}
             if piece:  # the split moves with its pieces: all of them read by that one node

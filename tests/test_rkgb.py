@@ -289,3 +289,22 @@ def test_residual_additions_run_in_place_as_in_eager():
     assert all(node.main.target is not torch.ops.aten.add.Tensor or node.main.args[1] == 1
                for node in graph.nodes)  # (only the step counters' additions stay functional)
     assert any(node.main.target is torch.ops.aten.relu.default for node in graph.nodes)
+
+
+def test_a_tensor_at_a_freed_incoming_gradients_address_is_no_alias_of_it():
+    """The inspection tells the contributions that are aliases of a backward's incoming gradient
+    by their storage: a new tensor that the allocator puts where a freed one was is not one."""
+    from rkgb.inspect import _IncomingParts
+
+    incoming = _IncomingParts()
+    reused = False
+    for _ in range(50):
+        grad = torch.randn(64, dtype=torch.float64)
+        incoming.add(grad, 0)
+        assert incoming.part(grad) == 0 and incoming.part(grad[8:]) == 0
+        address = grad.untyped_storage().data_ptr()
+        del grad
+        new = torch.randn(64, dtype=torch.float64)
+        reused |= new.untyped_storage().data_ptr() == address
+        assert incoming.part(new) == -1
+    assert reused  # the case happened (the CPU allocator reuses a freed block of that size)
