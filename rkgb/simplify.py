@@ -709,7 +709,8 @@ def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
             later = node.body[node.body.index(line) + 1:]
             if any(classify(other) is OpKind.INPLACE for other in later):
                 continue
-            if _piece(line) is not None and line.args[0] in node.lines and _disjoint_pieces(line.args[0], graph):
+            if _piece(line) is not None and line.args[0] in node.lines and _disjoint_pieces(line.args[0], graph) \
+                    and _views_alone_reach(line.args[0], node):
                 # disjoint parts of the result (nn.MultiheadAttention's q, k and v): kept as its
                 # views, their gradients part-sized until the node's backward runs the parts'
                 # backward, as eager's do (made in their readers, each reader's gradient was the
@@ -841,16 +842,18 @@ def _piece(line: torch.fx.Node) -> tuple[int, int, int] | None:
 def _disjoint_pieces(base: torch.fx.Node, graph: SimplifiedGraph) -> bool:
     """Whether every read of node result ``base`` is a ``select`` or ``slice`` of it, along one
     dimension, each of another part (``nn.MultiheadAttention``'s q, k and v of its packed
-    projection), each read by one node, and the user does not get ``base``.
+    projection), each read by one node (the user may get ``base`` too).
 
-    Each part's gradient then reaches ``base``'s as a tensor of zeros but in its part: their
-    sum is exact in any order (adding zeros is exact, and a negative zero becomes a positive
-    one whatever the order once two are added), so that no part needs a view group to keep
-    eager's order, and ``base``'s gradient is one buffer, as eager's, not one per group."""
-    if base.name in graph.outputs or base.name in graph.captured.user_outputs:
-        return False
+    Each part's gradient then reaches ``base``'s as a tensor of zeros but in its part: at each
+    element at most two terms of the sum are not zeros (one part's, and the user's where
+    ``base`` is returned), so that the sum is exact in any order (adding a zero to a number is
+    exact, two numbers add the same either way, and zeros add up to a negative zero in any order
+    only where all are): no part needs a view group to keep eager's order, and ``base``'s
+    gradient is one buffer, as eager's, not one per group."""
     pieces = []
     for user in base.users:
+        if user.op == "output":  # the user's gradient: dense, but one term beside one part's
+            continue
         piece = _piece(user)
         if piece is None or len({holder for holder in _readers_of(user, graph)}) > 1:
             return False
@@ -859,6 +862,23 @@ def _disjoint_pieces(base: torch.fx.Node, graph: SimplifiedGraph) -> bool:
         return False
     spans = sorted((start, stop) for _, start, stop in pieces)
     return all(stop <= next_start for (_, stop), (next_start, _) in zip(spans, spans[1:]))
+
+
+def _views_alone_reach(base: torch.fx.Node, node: SimplifiedNode) -> bool:
+    """Whether ``base`` is ``node``'s result or a chain of views of it that nothing else reads
+    (but the user): the gradient of the result then gets nothing from the node's other readers
+    before base's does, so that base's parts kept in the node change no order of the sums (a part
+    of a view of a result that other nodes read too, kept there, added its gradient after theirs
+    where eager adds it among them: fuzz seed 113)."""
+    line = base
+    while line is not node.main:
+        parent = line.args[0] if line.args and isinstance(line.args[0], torch.fx.Node) else None
+        if parent is None or parent not in node.lines or classify(line) is not OpKind.VIEW:
+            return False
+        if any(user is not line and user.op != "output" for user in parent.users):
+            return False
+        line = parent
+    return True
 
 
 def _readers_of(line: torch.fx.Node, graph: SimplifiedGraph) -> set[str]:
