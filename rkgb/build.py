@@ -391,8 +391,9 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
 def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, blocks: list[BlockInstance]
                         ) -> dict[str, tuple[FirstRun, ...]]:
     """``entries`` (:func:`first_run_bytes`) where a backward's contributions to a model input's
-    gradient are its own incoming gradient (``FirstRun.alias``, as the inspection saw them:
-    ``NodeMeasure.input_grad_aliases``), where it saw one per entry."""
+    gradient are its own incoming gradient (``FirstRun.alias``) or dense tensors of their own
+    (``FirstRun.owned``), as the inspection saw them (``NodeMeasure.input_grad_aliases``,
+    ``input_grad_owned``), where it saw one per entry."""
     result = dict(entries)
     for block in blocks:
         for measure in measures[block.class_index].nodes:
@@ -400,11 +401,12 @@ def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, bloc
             for input_name, sources in measure.input_grad_aliases.items():
                 key = input_grad_key(input_name)
                 own = [i for i, entry in enumerate(result.get(name, ())) if entry.key == key]
-                if len(own) != len(sources) or all(j < 0 for j in sources):
+                owned = measure.input_grad_owned.get(input_name, [False] * len(sources))
+                if len(own) != len(sources) or not any(j >= 0 for j in sources) and not any(owned):
                     continue
                 updated = list(result[name])
-                for i, j in zip(own, sources):
-                    updated[i] = replace(updated[i], alias=j)
+                for i, j, dense in zip(own, sources, owned):
+                    updated[i] = replace(updated[i], alias=j, owned=dense)
                 result[name] = tuple(updated)
     return result
 

@@ -413,6 +413,9 @@ class FirstRun:
     key's nodes add into in place (a shared parameter's sum of contributions). ``alias``: for
     a contribution to a model input's gradient, the part of the node's own incoming gradient
     that it is (an ``add``'s backward passes it on; no new memory), -1 for a new tensor.
+    ``owned``: that contribution is a dense tensor over a storage of its own (not a slice of a
+    bigger gradient, not an expanded one), which a later contribution is added into in place
+    once nothing else holds it, as eager's buffer does; else the sum is a new tensor.
     """
 
     key: str
@@ -423,6 +426,7 @@ class FirstRun:
     in_overhead: bool = False
     until: str | None = None
     alias: int = -1
+    owned: bool = False
 
 
 # the keys of first-run gradients that other phases look up (rkgb.build makes them)

@@ -96,7 +96,7 @@ class ParameterSink:
             if parameter.grad is None:
                 stealable = grad._base is None and grad.stride() == parameter.stride()
                 parameter.grad = grad if stealable else grad.clone(memory_format=torch.preserve_format) \
-                    if _non_overlapping_and_dense(grad) else torch.empty_like(parameter).copy_(grad)
+                    if non_overlapping_and_dense(grad) else torch.empty_like(parameter).copy_(grad)
             else:
                 parameter.grad.add_(grad)
 
@@ -147,7 +147,7 @@ def add_pieces(total: torch.Tensor | None, summed: set[int], grad: torch.Tensor,
 def _addable_in_place(gradient: torch.Tensor) -> bool:
     """Eager's buffer adds the next contribution into ``gradient`` in place only when no other
     tensor holds its storage and it is dense (not a slice of a bigger gradient)."""
-    return _storage_held_alone(gradient) and _non_overlapping_and_dense(gradient)
+    return _storage_held_alone(gradient) and non_overlapping_and_dense(gradient)
 
 
 def _storage_held_alone(tensor: torch.Tensor) -> bool:
@@ -160,11 +160,12 @@ def owns_its_storage(tensor: torch.Tensor) -> bool:
     gradient made in a bigger buffer's layout): what the engine frees when it drops the tensor."""
     holders = 2 + (tensor._base is not None)  # the tensor, the storage's wrapper, its base
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= holders \
-        and _non_overlapping_and_dense(tensor) \
+        and non_overlapping_and_dense(tensor) \
         and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
 
 
-def _non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+def non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` covers its elements densely, without overlap (any order of strides)."""
     from torch._prims_common import is_non_overlapping_and_dense_or_false
 
     return bool(is_non_overlapping_and_dense_or_false(tensor))

@@ -35,7 +35,7 @@ from .blocks import Block, BlockClass, Chain, side_name
 from .capture import as_input_tuple, device_of
 from .interpret import global_requires_grad, initial_environment, inspected_targets, run_lines, tensor_args
 from .memory import allocator_events_and_ranges, measure_allocator_peak
-from .gradsink import GradientQueue, GradSink, handoff, handoff_backward, owns_its_storage
+from .gradsink import GradientQueue, GradSink, handoff, handoff_backward, non_overlapping_and_dense, owns_its_storage
 from .saved import SavedTensors, storage_key
 from .simplify import (OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs, summed_input_views,
                        summed_parameter_views)
@@ -99,6 +99,9 @@ class NodeMeasure:
     # model input (fx name) -> for each contribution of the backward to its gradient, the part
     # of ours that it is (an add's backward passes its incoming gradient on), or -1: a new tensor
     input_grad_aliases: dict[str, list[int]] = field(default_factory=dict)
+    # model input (fx name) -> for each contribution, whether it is a dense tensor over a
+    # storage of its own (:attr:`rkgb.cdgraph.FirstRun.owned`)
+    input_grad_owned: dict[str, list[bool]] = field(default_factory=dict)
     data_deps: list[str] = field(default_factory=list)
     is_random: bool = False
 
@@ -914,9 +917,12 @@ class _AliasRecorder(list):
     def __init__(self, incoming: _IncomingParts) -> None:
         super().__init__()
         self.incoming = incoming
+        self.owned: list[bool] = []  # each contribution a dense tensor over a storage of its own
 
     def record(self, grad: torch.Tensor) -> None:
         self.append(self.incoming.part(grad))
+        self.owned.append(grad._base is None and grad.numel() * grad.element_size() == grad.untyped_storage().nbytes()
+                          and non_overlapping_and_dense(grad))
 
 
 def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tensor], incoming: _IncomingParts,
@@ -1204,6 +1210,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 for fx_name, sink in input_sinks.items():
                     if sink.keys:
                         measure.input_grad_aliases[fx_name] = list(sink.keys)
+                        measure.input_grad_owned[fx_name] = list(sink.keys.owned)
                     sink.keys = None
                 for leaf in input_leaves:
                     leaf.grad = None

@@ -106,6 +106,9 @@ class _Storages:
         self.owned: set[int] = set()
         # the gradients of model inputs (FirstRun keys), held as data nodes of one part each
         self.first_run_sizes: dict[str, int] = {}
+        # storages of model inputs' gradients that are dense tensors of their own (FirstRun.owned,
+        # and the sums made of them): a later contribution is added in place once held alone
+        self.addable: set[int] = set()
         self.memory = 0
         self._next = 0
 
@@ -141,6 +144,7 @@ class _Storages:
             del self.holders[storage]
             self.shared.discard(storage)
             self.owned.discard(storage)
+            self.addable.discard(storage)
 
     def held_alone(self, d: str) -> bool:
         """Whether each storage of gradient ``d`` (alive) has no holder but ``d`` (the engine
@@ -223,6 +227,8 @@ class _Storages:
                 self._hold(d, 0, alias)
             else:
                 self._hold_new(d, 0)
+            if entry.owned:
+                self.addable.add(self.storage[d][0])
         elif alias is not None:
             self.holders[alias] += 1
             self.pending.append((d, 0, alias))
@@ -254,14 +260,18 @@ class _Storages:
         flushed = [entry for entry in self.pending if only is None or entry[0] == only]
         for d, i, storage in flushed:
             held = self.storage[d][i]
-            # shared: old + grad, a new tensor; so for a model input's gradient, whose sink may
-            # hold a view of a bigger tensor or a group's sum (not told apart here)
-            if self.holders[held] > 1 or held in self.shared or d in self.first_run_sizes:
+            # shared: old + grad, a new tensor; so for a model input's gradient, unless the
+            # inspection saw a dense tensor of its own there (a view of a bigger tensor, an
+            # expanded one, or a group's sum, otherwise)
+            if self.holders[held] > 1 or held in self.shared or \
+                    (d in self.first_run_sizes and held not in self.addable):
                 if self.holders[held] > 1:
                     lasting += self._part_size(d, i)
                 else:
                     biggest = max(biggest, self._part_size(d, i))
                 self._hold_new(d, i)  # then the old one goes
+                if d in self.first_run_sizes:
+                    self.addable.add(self.storage[d][i])  # old + grad: a dense tensor of its own
             self._release(storage)  # the contribution (added in place into a gradient held alone)
         self.pending = [entry for entry in self.pending if entry not in flushed]
         return start + lasting + biggest
