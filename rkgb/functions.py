@@ -142,7 +142,9 @@ def _checkpoint_function() -> type:
 # transformers' gradient checkpointing): its forward runs the function without grad and its
 # backward runs it again with grad and the same random state, so its gradients are the
 # function's own derivative; while capturing, the function is called directly, with grad (its
-# forward's no-grad region would otherwise be detached: rkgb.capture.detach_no_grad_results)
+# forward's no-grad region would otherwise be detached: rkgb.capture.detach_no_grad_results).
+# Where no tensor argument requires grad, eager's results require none either (PyTorch warns
+# that the gradients will be None: the parameters inside get none): applied as it is, no-grad
 _CHECKPOINT = _checkpoint_function()
 
 
@@ -160,7 +162,8 @@ class CustomFunctions:
         refused = self.refused
 
         def apply(cls, *args, **kwargs):
-            if cls is _CHECKPOINT and torch.is_grad_enabled() and not kwargs:
+            if cls is _CHECKPOINT and torch.is_grad_enabled() and not kwargs and any(
+                    isinstance(value, torch.Tensor) and value.requires_grad for value in args[2:]):
                 function, _, *inputs = args  # (run_function, preserve_rng_state, *args)
                 return function(*inputs)
             if not torch.is_grad_enabled() or not any(

@@ -246,3 +246,38 @@ def test_a_batch_norm_frozen_after_building_is_planned_again():
             assert torch.equal(a.grad, b.grad)
         for a, b in zip(model.buffers(), reference.buffers()):
             assert torch.equal(a, b)
+
+
+class _CheckpointedBlocks(nn.Module):
+    """Three residual MLP blocks, each under ``torch.utils.checkpoint`` (reentrant), the first
+    one maybe not."""
+
+    def __init__(self, first_plain: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)) for _ in range(3))
+        self.first_plain = first_plain
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for index, block in enumerate(self.blocks):
+            if index == 0 and self.first_plain:
+                x = x + block(x)
+            else:
+                x = x + checkpoint(block, x, use_reentrant=True)
+        return x
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("first_plain", [False, True])
+def test_reentrant_checkpoints_on_inputs_without_grad_train_as_eager(first_plain):
+    """Reentrant checkpointing runs its function without grad: where no input of it requires
+    grad (the first block's, on a model input), eager's results carry no gradient and the
+    parameters inside get none (PyTorch warns). The capture called every checkpointed function
+    with grad: the first block's parameters were trained where eager's are not (a gradient
+    where eager's is None). Now such a call is applied as it is."""
+    torch.manual_seed(0)
+    model = _CheckpointedBlocks(first_plain)
+    x = torch.randn(8, 16, 32)
+    report = check_training(model, (x,), 0.5)
+    assert report is not None
