@@ -388,18 +388,23 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
     return {name: tuple(entries) for name, entries in result.items() if entries}
 
 
-def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, blocks: list[BlockInstance]
-                        ) -> dict[str, tuple[FirstRun, ...]]:
+def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, blocks: list[BlockInstance],
+                        simplified: SimplifiedGraph) -> dict[str, tuple[FirstRun, ...]]:
     """``entries`` (:func:`first_run_bytes`) where a backward's contributions to a model input's
     gradient are its own incoming gradient (``FirstRun.alias``) or dense tensors of their own
     (``FirstRun.owned``), as the inspection saw them (``NodeMeasure.input_grad_aliases``,
     ``input_grad_owned``), where it saw one per entry."""
     result = dict(entries)
+    representatives: dict[int, BlockInstance] = {}
     for block in blocks:
+        representative = representatives.setdefault(block.class_index, block)
+        # (the measures name the globals its representative reads: a view of another parameter
+        # in another layer of the class, Perceiver's latents or a learned query per layer)
+        same = _globals_read_alike(simplified, representative, block)
         for measure in measures[block.class_index].nodes:
             name = cname(block.names[measure.name], ComputeKind.BACKWARD)
             for input_name, sources in measure.input_grad_aliases.items():
-                key = input_grad_key(input_name)
+                key = input_grad_key(same.get(input_name, input_name))
                 own = [i for i, entry in enumerate(result.get(name, ())) if entry.key == key]
                 owned = measure.input_grad_owned.get(input_name, [False] * len(sources))
                 if len(own) != len(sources) or not any(j >= 0 for j in sources) and not any(owned):
@@ -409,6 +414,24 @@ def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, bloc
                     updated[i] = replace(updated[i], alias=j, owned=dense)
                 result[name] = tuple(updated)
     return result
+
+
+def _globals_read_alike(simplified: SimplifiedGraph, representative: BlockInstance,
+                        block: BlockInstance) -> dict[str, str]:
+    """The names of what ``block`` reads where its class's representative reads another
+    (the same line of the same node, the same argument): representative's name -> block's."""
+    same: dict[str, str] = {}
+    if block is representative:
+        return same
+    for anonymous, name in block.names.items():
+        theirs = representative.names.get(anonymous)
+        if theirs is None or not (anonymous.startswith("n") and anonymous[1:].isdigit()):  # a node of it
+            continue
+        for line, other in zip(simplified.node(theirs).lines, simplified.node(name).lines):
+            for read, other_read in zip(line.all_input_nodes, other.all_input_nodes):
+                if read.name != other_read.name:
+                    same.setdefault(read.name, other_read.name)
+    return same
 
 
 def _only_splits(node, view: str) -> bool:
@@ -627,7 +650,7 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
                              early_contributions=_early_output_contributions(simplified, early, needs))
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}
     entries = first_run_bytes(simplified, model, sample, grad_accumulation, needs)
-    model_chain.first_run_bytes = {name: entries for name, entries in _input_grad_aliases(entries, measures, instances).items()
+    model_chain.first_run_bytes = {name: entries for name, entries in _input_grad_aliases(entries, measures, instances, simplified).items()
                                    if name in computes}  # the backwards of nodes without grad do not run
     seconds["cdgraph"] = time.perf_counter() - clock
     return ModelGraphs(captured, simplified, chain, measures, model_chain, seconds, from_cache)

@@ -227,7 +227,9 @@ class _Storages:
                 self._hold(d, 0, alias)
             else:
                 self._hold_new(d, 0)
-            if entry.owned:
+            # a dense tensor of its own, or the node's own gradient passed on where nothing else
+            # shares that (once the node's gradient goes, the sink's alone: added into in place)
+            if entry.owned or (alias is not None and alias not in self.shared):
                 self.addable.add(self.storage[d][0])
         elif alias is not None:
             self.holders[alias] += 1

@@ -278,6 +278,13 @@ NO_RECOMPUTATION_AT_EAGER = [
     # it in place into the first, a dense tensor of its own (seed 113: 1.193x eager's peak)
     written([("index_assign", [0, 0]), ("batch_norm_unused", [1])], [1], batch=2, seq=6, dim=8,
             input_requires_grad=True, seed=178),
+    # two layers of one class, each with a trained vector expanded and read by two nodes (`q *
+    # tanh(a) + q`): the second layer's contribution that passes the add's gradient on was not
+    # taken for an alias (the class's measures name the first layer's view), and the sum into
+    # such an alias was counted as a new tensor where the sink adds into it in place (seed 117:
+    # 1.165x eager's peak)
+    written([("expanded_query", [0]), ("expanded_query", [1]), ("add", [2, 2])], [3], batch=3, seq=6, dim=16,
+            dtype=torch.float64, seed=249),
 ]
 
 
