@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from rkgb.functions import applied_function
-from rkgb.interpret import batch_norms_in_place, tensor_args
+from rkgb.interpret import GRAD_MODE_NUMERICS, batch_norms_in_place, tensor_args
 from rkgb.simplify import (SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, parameter_gradient_sources,
                            split_of_view, summed_input_views, summed_parameter_views, summing_view_chain)
 from solvers.schedule import Compute, Forget, Schedule
@@ -520,7 +520,11 @@ class _Generator:
                 elif first:  # once per step, never on recomputation
                     self._buffer_update(w, update, self.call(line, reads.get(line.name)))
                 continue
-            w(f"{line.name} = {self.call(line, reads.get(line.name))}")
+            function = None
+            if not with_grad and info.requires_grad and line.target in GRAD_MODE_NUMERICS:
+                # eager runs it with grad: its kernel's values (rkgb.interpret.in_grad_mode)
+                function = f"in_grad_mode({self.call(line).split('(')[0]})"
+            w(f"{line.name} = {self.call(line, reads.get(line.name), function)}")
             self.local_values[line.name] = line.name
             local_names.append(line.name)
             if update is not None and first:

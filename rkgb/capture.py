@@ -1068,6 +1068,48 @@ def _stacklevel_of_caller() -> int:
     return level
 
 
+_FUNCTIONAL_BATCH_NORM = torch.ops.aten._native_batch_norm_legit_functional.default
+
+
+def _chain_batch_norm_statistics(graph: torch.fx.Graph, buffers: dict[str, str],
+                                 buffer_mutations: dict[str, str]) -> dict[str, str]:
+    """Make every call of a BatchNorm called several times in one forward (a siamese encoder
+    applied to two views, a teacher and a student sharing a layer) read and update its buffers,
+    as eager's calls do; returns the buffer mutations, in the graph's order.
+
+    Eager updates the running statistics in place at each call, and the next call reads what
+    the one before wrote. The functional graph passes one call's new statistics to the next as
+    values, which the executor's in-place batch norms (:func:`rkgb.interpret.batch_norm_updating`)
+    did not write back: the buffers kept the first call's statistics (or none), and the second
+    call's backward was taken to need the first call's results. Here each later call reads the
+    buffer itself, and each call's new statistics are updates of that buffer, written at its
+    first run, in the forward's order, so that the last call's is what the step leaves."""
+    chained: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.target is not _FUNCTIONAL_BATCH_NORM or node.args[5] is not True:
+            continue
+        args = list(node.args)
+        for position in (3, 4):  # running_mean, running_var: results 3 and 4 of the call before
+            source = args[position]
+            if not (isinstance(source, torch.fx.Node) and source.target is operator.getitem
+                    and source.args[1] == position and len(source.users) == 1):
+                continue
+            before = source.args[0]
+            if before.target is not _FUNCTIONAL_BATCH_NORM or before.args[5] is not True:
+                continue
+            buffer = before.args[position]
+            # (a buffer that other operations read too keeps the functional values)
+            if isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder" and buffer.name in buffers \
+                    and all(user.target is _FUNCTIONAL_BATCH_NORM and user.args[5] is True for user in buffer.users):
+                args[position] = buffer
+                chained[source.name] = buffers[buffer.name]
+        node.args = tuple(args)
+    if not chained:
+        return buffer_mutations
+    order = {node.name: i for i, node in enumerate(graph.nodes)}
+    return dict(sorted({**buffer_mutations, **chained}.items(), key=lambda item: order.get(item[0], len(order))))
+
+
 def capture(model: nn.Module, sample) -> CapturedGraph:
     """Export ``model`` on ``sample`` (non-strict) and functionalize the graph.
 
@@ -1218,6 +1260,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
                 f"unsupported output kind {spec.kind} for {spec.arg.name!r}: Rockmate supports "
                 "models that return tensors and mutate only buffers"
             )
+    buffer_mutations = _chain_batch_norm_statistics(exported.graph, buffers, buffer_mutations)
     out_spec = exported.call_spec.out_spec
     output_is_tuple = not (out_spec is not None and out_spec.num_leaves == 1 and out_spec.is_leaf())
     return CapturedGraph(

@@ -1050,7 +1050,10 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             lines = node.lines
             exported = graph.exported(node)
             result: dict[str, object] = {}
-            targets = inspected_targets(graph, node)  # batch norms that eager's op runs in place
+            requires_grad = needs[name].requires_grad  # else it runs without grad, as the executor's
+            # batch norms that eager's op runs in place; recurrent ops run with grad, as the
+            # executor's forwards without grad run them (rkgb.interpret.in_grad_mode)
+            targets = inspected_targets(graph, node, requires_grad)
 
             def forward_no_grad():
                 scratch = dict(env)
@@ -1058,8 +1061,6 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     run_lines(lines, scratch, targets)
 
             no_grad_peak = meter.measure(forward_no_grad)
-
-            requires_grad = needs[name].requires_grad  # else it runs without grad, as the executor's
 
             def forward_with_grad():
                 with saved.island(name), torch.set_grad_enabled(requires_grad):

@@ -13,7 +13,8 @@ from .capture import as_input_tuple
 from .simplify import SimplifiedGraph, SimplifiedNode
 
 __all__ = ["run_lines", "tensor_args", "initial_environment", "global_requires_grad", "run_simplified_forward",
-           "batch_norm_updating", "batch_norm_not_updating", "batch_norms_in_place", "inspected_targets"]
+           "batch_norm_updating", "batch_norm_not_updating", "batch_norms_in_place", "inspected_targets",
+           "GRAD_MODE_NUMERICS", "in_grad_mode"]
 
 
 def run_lines(lines: Iterable[torch.fx.Node], env: dict[str, object], targets: dict | None = None) -> None:
@@ -64,10 +65,39 @@ def batch_norms_in_place(graph: SimplifiedGraph, node) -> set[str]:
     return found
 
 
-def inspected_targets(graph: SimplifiedGraph, node) -> dict:
+_aten = torch.ops.aten
+# operations whose kernels compute other values without grad than with it: the CPU LSTM's
+# oneDNN inference kernel rounds otherwise than its training kernel (1 ulp on a few elements);
+# cuDNN's recurrent kernels have an inference and a training variant too
+GRAD_MODE_NUMERICS = frozenset({
+    _aten.lstm.input, _aten.lstm.data, _aten.gru.input, _aten.gru.data,
+    _aten.rnn_tanh.input, _aten.rnn_tanh.data, _aten.rnn_relu.input, _aten.rnn_relu.data,
+})
+
+
+def in_grad_mode(op):
+    """``op``, run with grad where the caller runs without it, its results detached: a forward
+    without grad (a plan's, to keep nothing for the backward) of a node that eager runs with
+    grad computes eager's values (:data:`GRAD_MODE_NUMERICS`). Its temporary memory is the
+    training kernel's, which the inspection measures the same way."""
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            return op(*args, **kwargs)
+        with torch.enable_grad():
+            results = op(*args, **kwargs)
+        if isinstance(results, torch.Tensor):
+            return results.detach()
+        return type(results)(value.detach() if isinstance(value, torch.Tensor) else value for value in results)
+    return run
+
+
+def inspected_targets(graph: SimplifiedGraph, node, requires_grad: bool = False) -> dict:
     """The functions the inspection calls instead of some of ``node``'s lines (see
-    :func:`batch_norms_in_place`)."""
-    return {name: batch_norm_not_updating for name in batch_norms_in_place(graph, node)}
+    :func:`batch_norms_in_place`; and :func:`in_grad_mode` where the node requires grad)."""
+    targets = {name: batch_norm_not_updating for name in batch_norms_in_place(graph, node)}
+    if requires_grad:
+        targets.update({line.name: in_grad_mode(line.target) for line in node.lines if line.target in GRAD_MODE_NUMERICS})
+    return targets
 
 
 def tensor_args(line: torch.fx.Node) -> list[torch.fx.Node]:
@@ -116,6 +146,14 @@ def run_simplified_forward(graph: SimplifiedGraph, model: nn.Module, sample):
     run_lines(graph.buffer_updates_prologue, env)
     for node in graph.nodes:
         run_node(node, env)
+        # a batch norm's new running statistics that a later call of it reads from the buffer
+        # (rkgb.capture._chain_batch_norm_statistics): eager's call wrote them there
+        for line in node.lines:
+            if line.target is operator.getitem and line.args[0].target is FUNCTIONAL_BATCH_NORM \
+                    and line.args[1] in (3, 4) and line.args[0].args[5] is True:
+                buffer = line.args[0].args[line.args[1]]
+                if isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder":
+                    env[buffer.name] = env[line.name]
     outputs = tuple(env[name] for name in graph.outputs)
     updates = {path: env[name] for name, path in graph.captured.buffer_mutations.items()}
     return outputs, updates

@@ -78,6 +78,7 @@ OPS: dict[str, int] = {
     "expanded_query": 1,  # a trained parameter expanded to the batch once, read by two nodes (Perceiver)
     "broadcast_mean": 1,  # a result read, then expanded (the view's backward sums) and read by two nodes
     "halves": 1,  # disjoint slices of a result read by two nodes, one of them a cat
+    "batch_norm_twice": 2,  # one BatchNorm applied to two values (a siamese encoder's two views)
 }
 
 
@@ -177,7 +178,7 @@ class ProgramModel(nn.Module):
                 layers[key] = nn.LayerNorm(d)
             elif ins.op == "layer_norm_plain":
                 layers[key] = nn.LayerNorm(d, elementwise_affine=False)
-            elif ins.op in ("batch_norm", "batch_norm_unused"):
+            elif ins.op in ("batch_norm", "batch_norm_unused", "batch_norm_twice"):
                 layers[key] = nn.BatchNorm1d(d)
             elif ins.op == "cat_linear":
                 layers[key] = nn.Linear(2 * d, d)
@@ -214,6 +215,9 @@ class ProgramModel(nn.Module):
                 out = self.layers[key](a)
             elif op == "batch_norm":
                 out = self.layers[key](a.transpose(1, 2)).transpose(1, 2)
+            elif op == "batch_norm_twice":
+                norm = self.layers[key]
+                out = norm(a.transpose(1, 2)).transpose(1, 2) * norm(b.transpose(1, 2)).transpose(1, 2)
             elif op == "batch_norm_unused":
                 self.layers[key](a.transpose(1, 2))
                 out = a

@@ -281,3 +281,60 @@ def test_reentrant_checkpoints_on_inputs_without_grad_train_as_eager(first_plain
     x = torch.randn(8, 16, 32)
     report = check_training(model, (x,), 0.5)
     assert report is not None
+
+
+class _SiameseWithBatchNorm(nn.Module):
+    """One encoder with a BatchNorm applied to two inputs (SimCLR's, BYOL's two views): the
+    second view's pass as it is, detached, or under ``torch.no_grad()``."""
+
+    def __init__(self, second: str) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16))
+        self.second = second
+
+    def forward(self, a, b):
+        p = self.encoder(a)
+        if self.second == "no_grad":
+            with torch.no_grad():
+                z = self.encoder(b)
+        else:
+            z = self.encoder(b)
+            z = z.detach() if self.second == "detach" else z
+        return (torch.nn.functional.normalize(p, dim=-1) * z).sum(-1).mean()
+
+
+@pytest.mark.parametrize("second", ["with_grad", "detach", "no_grad"])
+@pytest.mark.parametrize("fraction", [1.0, 0.3])
+def test_a_batch_norm_called_twice_per_step_updates_its_statistics_as_eager(second, fraction):
+    """Eager updates the running statistics in place at each call and the second call reads what
+    the first wrote. The functional graph passed the first call's new statistics to the second
+    as values: the buffers kept the first call's statistics (buffer not bitwise), and with both
+    passes under grad the plan crashed (the second call's backward taken to need the first
+    call's results: ``PhantomFreedError``). Each call now reads and updates the buffers
+    (``rkgb.capture._chain_batch_norm_statistics``)."""
+    torch.manual_seed(0)
+    report = check_training(_SiameseWithBatchNorm(second), (torch.randn(8, 16), torch.randn(8, 16)), fraction)
+    assert report is not None
+
+
+class _SiameseLSTM(nn.Module):
+    """One LSTM applied to two sequences, the difference of its last states classified."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, 16, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, a, b):
+        return self.head(self.rnn(a)[0][:, -1] - self.rnn(b)[0][:, -1])
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_an_lstm_run_without_grad_by_the_plan_computes_eagers_values(fraction):
+    """The CPU LSTM's kernel without grad (oneDNN's inference kernel) rounds otherwise than with
+    grad (its training kernel): a plan that ran an LSTM's forward without grad, to recompute it
+    in the backward, gave outputs 1 ulp off eager's. Such operations now run with grad in a
+    forward without grad, their results detached (``rkgb.interpret.in_grad_mode``)."""
+    torch.manual_seed(0)
+    report = check_training(_SiameseLSTM(), (torch.randn(4, 8, 16), torch.randn(4, 8, 16)), fraction)
+    assert report is not None
