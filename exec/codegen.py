@@ -278,21 +278,25 @@ class _Generator:
         if reads is not None:
             sources = iter(reads)
             ref = lambda _: next(sources)  # noqa: E731 - arguments in traversal order
-        target = fx_node.target
-        if target is operator.getitem:
+        if fx_node.target is operator.getitem:
             return f"{self.expr(fx_node.args[0], ref)}[{self.expr(fx_node.args[1], ref)}]"
-        if function is None and target is torch.ops.rockmate.function_call.default:
-            # a custom autograd.Function applied as one operation (rkgb.functions): named after it
-            function = self.bind(target, f"apply_{applied_function(fx_node.args[0]).function.__name__}")
-        elif function is None and isinstance(target, torch._ops.OpOverload):
-            namespace = target.namespace
-            packet = target._overloadpacket.__name__
-            function = f"aten.{packet}.{target._overloadname}" if namespace == "aten" else self.bind(target, "op")
-        elif function is None:
-            function = self.bind(target, getattr(target, "__name__", "function"))
+        if function is None:
+            function = self.function(fx_node)
         args = [self.expr(a, ref) for a in fx_node.args]
         args += [f"{k}={self.expr(v, ref)}" for k, v in fx_node.kwargs.items()]
         return f"{function}({', '.join(args)})"
+
+    def function(self, fx_node: torch.fx.Node) -> str:
+        """Python source of the function that ``fx_node`` calls (an aten op by its name)."""
+        target = fx_node.target
+        if target is torch.ops.rockmate.function_call.default:
+            # a custom autograd.Function applied as one operation (rkgb.functions): named after it
+            return self.bind(target, f"apply_{applied_function(fx_node.args[0]).function.__name__}")
+        if isinstance(target, torch._ops.OpOverload):
+            namespace = target.namespace
+            packet = target._overloadpacket.__name__
+            return f"aten.{packet}.{target._overloadname}" if namespace == "aten" else self.bind(target, "op")
+        return self.bind(target, getattr(target, "__name__", "function"))
 
     def _buffer_update(self, w: _Writer, path: str, value: str) -> None:
         """Keep ``value`` as the new value of the buffer at ``path``, written when the forward
@@ -523,7 +527,7 @@ class _Generator:
             function = None
             if not with_grad and info.requires_grad and line.target in GRAD_MODE_NUMERICS:
                 # eager runs it with grad: its kernel's values (rkgb.interpret.in_grad_mode)
-                function = f"in_grad_mode({self.call(line).split('(')[0]})"
+                function = f"in_grad_mode({self.function(line)})"
             w(f"{line.name} = {self.call(line, reads.get(line.name), function)}")
             self.local_values[line.name] = line.name
             local_names.append(line.name)
