@@ -644,9 +644,15 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
         fallback = _no_recompute_plan(chain, budget, solver.name)
         exact = chain.held_bytes + simulate(chain.whole_graph(), fallback.schedule,
                                             first_run_bytes=chain.first_run_bytes).peak_bytes
+        lowest = None if exact <= budget else \
+            _lowest_exact_plan(chain, solver, plan.min_budget if plan is not None else None)
         if exact <= budget:
             fallback.notes.append("the plan without recomputation fits the budget")
             plan = fallback
+        elif lowest is not None and lowest.predicted_peak <= budget:
+            lowest.notes.append("planned at the solver's minimum: with each first-run allocation counted from its "
+                                "node's first run, it fits the budget")
+            plan = lowest
         elif plan is None:
             plan = _infeasible(chain, budget, solver.name, solver.min_budget(chain) if chain.blocks else None)
     # the memory the executor holds besides the CD-graph's data (ModelChain.held_bytes and
@@ -659,8 +665,30 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
         plan.predicted_peak = chain.held_bytes + simulate(
             chain.whole_graph(), plan.schedule, first_run_bytes=chain.first_run_bytes).peak_bytes
     if not plan.feasible:
-        plan.min_budget = _minimum(chain, plan.min_budget)
+        plan.min_budget = _minimum(chain, plan.min_budget, lowest)
         plan.notes[0] = f"budget {budget} B is below the minimum {plan.min_budget} B of solver {plan.solver!r}"
+    return plan
+
+
+def _lowest_exact_plan(chain: ModelChain, solver, solver_minimum: int | None = None) -> Plan | None:
+    """The solver's plan at its own minimum budget, its ``predicted_peak`` counted exactly (each
+    first-run allocation from its node's first run, not all of them from the start); None where
+    the solver finds none.
+
+    The solvers plan within the budget less all the first-run memory (generator states kept to
+    replay random nodes, parameters' sums, input gradients: :func:`_held_bytes`), as if alive
+    from the step's start; counted where it is made, the plan at the solver's minimum may fit a
+    budget below that sum (a layer applied three times with dropouts: 0.89x of it). For the
+    planners over the chain (their solves are dynamic programs over options already made); a
+    whole-graph ILP would solve again at its time limit, and keeps the reserve."""
+    if not chain.blocks or not isinstance(solver, ChainPlanner):
+        return None
+    internal = solver.min_budget(chain) if solver_minimum is None else int(solver_minimum)
+    plan = solver.solve(chain, internal)
+    if plan is None or not plan.feasible:
+        return None
+    plan.predicted_peak = chain.held_bytes + simulate(chain.whole_graph(), plan.schedule,
+                                                      first_run_bytes=chain.first_run_bytes).peak_bytes
     return plan
 
 
@@ -671,13 +699,18 @@ def no_recompute_peak(chain: ModelChain) -> int:
                                        first_run_bytes=chain.first_run_bytes).peak_bytes
 
 
-def _minimum(chain: ModelChain, solver_minimum: int | None) -> int:
+def _minimum(chain: ModelChain, solver_minimum: int | None, lowest: Plan | None = None) -> int:
     """The smallest budget: the solver's minimum with the first-run memory left aside as a
-    whole, or the plan without recomputation counted exactly, whichever is smaller."""
+    whole, the plan at the solver's minimum counted exactly (``lowest``,
+    :func:`_lowest_exact_plan`), or the plan without recomputation counted exactly, whichever is
+    smallest (:func:`solve` accepts each)."""
     exact = no_recompute_peak(chain)
     if solver_minimum is None:
         return exact
-    return min(exact, _held_bytes(chain) + int(solver_minimum))
+    candidates = [exact, _held_bytes(chain) + int(solver_minimum)]
+    if lowest is not None:
+        candidates.append(lowest.predicted_peak)
+    return min(candidates)
 
 
 def _held_bytes(chain: ModelChain) -> int:
@@ -690,4 +723,7 @@ def _held_bytes(chain: ModelChain) -> int:
 def min_budget(chain: ModelChain, solver: str | object = "rockmate", **options) -> int:
     """The smallest budget (bytes) that ``solver`` can meet on ``chain``."""
     solver = get_solver(solver, **options)
-    return _minimum(chain, solver.min_budget(chain) if chain.blocks else None)
+    if not chain.blocks:
+        return _minimum(chain, None)
+    solver_minimum = solver.min_budget(chain)
+    return _minimum(chain, solver_minimum, _lowest_exact_plan(chain, solver, solver_minimum))

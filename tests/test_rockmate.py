@@ -66,9 +66,11 @@ def test_infeasible_budget_gives_the_minimum():
     error = info.value
     state = torch.get_rng_state().nbytes
     assert error.floor == 65664
-    # (and the sum of the tied embedding's contributions, for gradient accumulation)
+    # (and the sum of the tied embedding's contributions, for gradient accumulation): the
+    # solver's minimum with all of that reserved from the start is 1.068x the floor plus them;
+    # counted where each is made, the plan at the solver's minimum needs less (eighteenth session)
     tied = model.token_embedding.weight.untyped_storage().nbytes()
-    assert error.floor / (minimum - 8 * state - tied) == pytest.approx(1 / 1.068, abs=0.001)
+    assert error.floor + tied <= minimum < 1.068 * error.floor + 8 * state + tied - 8000
     assert "the backward of aten." in error.floor_operation and "in module" in error.floor_operation
     assert "zoo.py" in error.floor_operation  # the user's source line, not torch's nn.Linear
     assert f"goes below {error.floor} bytes" in str(error) and error.floor_operation in str(error)
