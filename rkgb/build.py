@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .blocks import INPUT_NAME, Block, BlockClass, Chain, cut_chain
+from .blocks import INPUT_NAME, SIDE_PREFIX, Block, BlockClass, Chain, cut_chain
 from .capture import CapturedGraph, as_input_tuple, capture, device_of
 from .cdgraph import BlockInstance, CDGraph, ComputeKind, ComputeNode, DataKind, DataNode, FirstRun, ModelChain
 from .cdgraph import input_grad_key, input_views_key, parameter_sum_key
@@ -398,10 +398,13 @@ def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, bloc
     representatives: dict[int, BlockInstance] = {}
     for block in blocks:
         representative = representatives.setdefault(block.class_index, block)
+        aliased = [measure for measure in measures[block.class_index].nodes if measure.input_grad_aliases]
+        if not aliased:
+            continue
         # (the measures name the globals its representative reads: a view of another parameter
         # in another layer of the class, Perceiver's latents or a learned query per layer)
         same = _globals_read_alike(simplified, representative, block)
-        for measure in measures[block.class_index].nodes:
+        for measure in aliased:
             name = cname(block.names[measure.name], ComputeKind.BACKWARD)
             for input_name, sources in measure.input_grad_aliases.items():
                 key = input_grad_key(same.get(input_name, input_name))
@@ -425,7 +428,7 @@ def _globals_read_alike(simplified: SimplifiedGraph, representative: BlockInstan
         return same
     for anonymous, name in block.names.items():
         theirs = representative.names.get(anonymous)
-        if theirs is None or not (anonymous.startswith("n") and anonymous[1:].isdigit()):  # a node of it
+        if theirs is None or anonymous == INPUT_NAME or anonymous.startswith(SIDE_PREFIX):  # nodes of its own
             continue
         for line, other in zip(simplified.node(theirs).lines, simplified.node(name).lines):
             for read, other_read in zip(line.all_input_nodes, other.all_input_nodes):

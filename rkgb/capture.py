@@ -1068,7 +1068,8 @@ def _stacklevel_of_caller() -> int:
     return level
 
 
-_FUNCTIONAL_BATCH_NORM = torch.ops.aten._native_batch_norm_legit_functional.default
+# the training-mode batch norm of a functionalized graph (its results 3 and 4: the new running statistics)
+FUNCTIONAL_BATCH_NORM = torch.ops.aten._native_batch_norm_legit_functional.default
 
 
 def _chain_batch_norm_statistics(graph: torch.fx.Graph, buffers: dict[str, str],
@@ -1086,7 +1087,7 @@ def _chain_batch_norm_statistics(graph: torch.fx.Graph, buffers: dict[str, str],
     first run, in the forward's order, so that the last call's is what the step leaves."""
     chained: dict[str, str] = {}
     for node in graph.nodes:
-        if node.target is not _FUNCTIONAL_BATCH_NORM or node.args[5] is not True:
+        if node.target is not FUNCTIONAL_BATCH_NORM or node.args[5] is not True:
             continue
         args = list(node.args)
         for position in (3, 4):  # running_mean, running_var: results 3 and 4 of the call before
@@ -1095,12 +1096,12 @@ def _chain_batch_norm_statistics(graph: torch.fx.Graph, buffers: dict[str, str],
                     and source.args[1] == position and len(source.users) == 1):
                 continue
             before = source.args[0]
-            if before.target is not _FUNCTIONAL_BATCH_NORM or before.args[5] is not True:
+            if before.target is not FUNCTIONAL_BATCH_NORM or before.args[5] is not True:
                 continue
             buffer = before.args[position]
             # (a buffer that other operations read too keeps the functional values)
             if isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder" and buffer.name in buffers \
-                    and all(user.target is _FUNCTIONAL_BATCH_NORM and user.args[5] is True for user in buffer.users):
+                    and all(user.target is FUNCTIONAL_BATCH_NORM and user.args[5] is True for user in buffer.users):
                 args[position] = buffer
                 chained[source.name] = buffers[buffer.name]
         node.args = tuple(args)

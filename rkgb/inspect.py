@@ -842,15 +842,9 @@ def _graph_nodes(root) -> list:
     return list(seen.values())
 
 
-def _sole_view(tensor: torch.Tensor) -> bool:
-    """A view (a slice of a ``cat``'s gradient) that alone holds its storage besides its base:
-    the engine frees the whole storage once it has used it."""
-    return tensor._base is not None and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 3
-
-
 def _sole_views(tensors: list[torch.Tensor]) -> bool:
-    """Views of one storage (the slices of a ``cat``'s gradient) that alone hold it besides
-    their base: the engine frees it once it has used them all."""
+    """Views of one storage (one slice of a ``cat``'s gradient, or several) that alone hold it
+    besides their base: the engine frees the whole storage once it has used them all."""
     return all(t._base is not None for t in tensors) \
         and torch._C._storage_Use_Count(tensors[0].untyped_storage()._cdata) <= len(tensors) + 2
 
@@ -935,18 +929,17 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
     so each incoming gradient that the executor's engine can free is first copied inside the
     recording (the same values and layout: a dense tensor holding its storage alone, or a view
     that alone holds its storage, re-made over a copy of all of it), whose free is seen, and its
-    bytes are taken off the peak. A view whose storage other tensors hold too (two slices of one
-    ``cat``'s gradient) is not copied: its free is not credited. ``incoming`` (storage -> part of
-    the gradient) follows the copies."""
+    bytes are taken off the peak; views of one storage that the incoming gradients alone hold (the
+    slices of one ``cat``'s gradient) share one copy. A storage that other tensors hold too is not
+    copied: its free is not credited. ``incoming`` (:class:`_IncomingParts`) follows the copies."""
     root = handoff(*island)
     on_cpu = island[0].device.type == "cpu"  # (CUDA's figures see every free: nothing to copy)
     by_storage: dict[int, list[int]] = {}
     for i, leaf in enumerate(leaves):
         if on_cpu and leaf.grad is not None:
             by_storage.setdefault(storage_key(leaf.grad), []).append(i)
-    copied = [group for group in by_storage.values()
-              if (len(group) == 1 and (owns_its_storage(leaves[group[0]].grad) or _sole_view(leaves[group[0]].grad)))
-              or (len(group) > 1 and _sole_views([leaves[i].grad for i in group]))]
+    copied = [group for group in by_storage.values() if _sole_views([leaves[i].grad for i in group])
+              or (len(group) == 1 and owns_its_storage(leaves[group[0]].grad))]
     copied_bytes = sum(leaves[group[0]].grad.untyped_storage().nbytes() for group in copied)
 
     move, moved = phantoms
@@ -1176,7 +1169,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     # less that gradient
                     incoming_grad = box["grads"][0]
                     credit = incoming_grad.untyped_storage().nbytes() \
-                        if owns_its_storage(incoming_grad) or _sole_view(incoming_grad) else 0
+                        if owns_its_storage(incoming_grad) or _sole_views([incoming_grad]) else 0
                     root = outputs[0].grad_fn if credit else None
                     hook = None if root is None else _IncomingFreed(meter, incoming_grad, root)
                     incoming_grad = root = None

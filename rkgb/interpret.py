@@ -9,7 +9,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from .capture import as_input_tuple
+from .capture import FUNCTIONAL_BATCH_NORM, as_input_tuple
 from .simplify import SimplifiedGraph, SimplifiedNode
 
 __all__ = ["run_lines", "tensor_args", "initial_environment", "global_requires_grad", "run_simplified_forward",
@@ -26,7 +26,6 @@ def run_lines(lines: Iterable[torch.fx.Node], env: dict[str, object], targets: d
         env[fx_node.name] = target(*args, **kwargs)
 
 
-FUNCTIONAL_BATCH_NORM = torch.ops.aten._native_batch_norm_legit_functional.default
 
 
 def batch_norm_updating(input, weight, bias, running_mean, running_var, training, momentum, eps):

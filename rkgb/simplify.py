@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from .capture import CapturedGraph, storage_identity
+from .capture import FUNCTIONAL_BATCH_NORM, CapturedGraph, storage_identity
 from .errors import UnsupportedOperation, describe_fx_node
 
 __all__ = ["OpKind", "classify", "SimplifiedNode", "SimplifiedGraph", "simplify", "GradientNeeds", "gradient_needs", "NO_GRADIENT"]
@@ -389,7 +389,7 @@ def gradient_needs(graph: SimplifiedGraph, global_requires_grad: dict[str, bool]
 
 def _reads_only_statistics_of(line: torch.fx.Node) -> bool:
     """A training-mode BatchNorm: its outputs do not depend on the running statistics it reads."""
-    return line.target is torch.ops.aten._native_batch_norm_legit_functional.default and line.args[5] is True
+    return line.target is FUNCTIONAL_BATCH_NORM and line.args[5] is True
 
 
 def _written_by_random_ops(graph: torch.fx.Graph) -> set[str]:

@@ -638,23 +638,25 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
     solver = get_solver(solver, **options)
     budget, held = int(budget), _held_bytes(chain)
     plan = solver.solve(chain, budget - held) if chain.blocks and budget >= held else None
+    lowest = None
     if plan is None or not plan.feasible:
         # below what the solver can plan with the first-run memory left aside as a whole, the
-        # plan without recomputation may still fit, counted exactly
+        # plan without recomputation, or the solver's plan at its minimum, may still fit, each
+        # counted exactly
         fallback = _no_recompute_plan(chain, budget, solver.name)
-        exact = chain.held_bytes + simulate(chain.whole_graph(), fallback.schedule,
-                                            first_run_bytes=chain.first_run_bytes).peak_bytes
-        lowest = None if exact <= budget else \
-            _lowest_exact_plan(chain, solver, plan.min_budget if plan is not None else None)
-        if exact <= budget:
+        if _exact_peak(chain, fallback.schedule) <= budget:
             fallback.notes.append("the plan without recomputation fits the budget")
             plan = fallback
-        elif lowest is not None and lowest.predicted_peak <= budget:
-            lowest.notes.append("planned at the solver's minimum: with each first-run allocation counted from its "
-                                "node's first run, it fits the budget")
-            plan = lowest
-        elif plan is None:
-            plan = _infeasible(chain, budget, solver.name, solver.min_budget(chain) if chain.blocks else None)
+        else:
+            solver_minimum = None if not chain.blocks else \
+                plan.min_budget if plan is not None and plan.min_budget is not None else solver.min_budget(chain)
+            lowest = _lowest_exact_plan(chain, solver, solver_minimum)
+            if lowest is not None and lowest.predicted_peak <= budget:
+                lowest.notes.append("planned at the solver's minimum: with each first-run allocation counted from "
+                                    "its node's first run, it fits the budget")
+                plan = lowest
+            elif plan is None:
+                plan = _infeasible(chain, budget, solver.name, solver_minimum)
     # the memory the executor holds besides the CD-graph's data (ModelChain.held_bytes and
     # first_run_bytes): the solvers plan within the budget less all of it; the prediction
     # counts each first-run allocation from the first run of its node
@@ -662,8 +664,7 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
     plan.held_bytes = chain.held_bytes
     plan.first_run_bytes = chain.first_run_bytes
     if plan.feasible:
-        plan.predicted_peak = chain.held_bytes + simulate(
-            chain.whole_graph(), plan.schedule, first_run_bytes=chain.first_run_bytes).peak_bytes
+        plan.predicted_peak = _exact_peak(chain, plan.schedule)
     if not plan.feasible:
         plan.min_budget = _minimum(chain, plan.min_budget, lowest)
         plan.notes[0] = f"budget {budget} B is below the minimum {plan.min_budget} B of solver {plan.solver!r}"
@@ -687,16 +688,20 @@ def _lowest_exact_plan(chain: ModelChain, solver, solver_minimum: int | None = N
     plan = solver.solve(chain, internal)
     if plan is None or not plan.feasible:
         return None
-    plan.predicted_peak = chain.held_bytes + simulate(chain.whole_graph(), plan.schedule,
-                                                      first_run_bytes=chain.first_run_bytes).peak_bytes
+    plan.predicted_peak = _exact_peak(chain, plan.schedule)
     return plan
+
+
+def _exact_peak(chain: ModelChain, schedule) -> int:
+    """The predicted peak of ``schedule`` with what the executor holds besides the CD-graph's
+    data: the chain's held bytes, and each first-run allocation from its node's first run."""
+    return chain.held_bytes + simulate(chain.whole_graph(), schedule, first_run_bytes=chain.first_run_bytes).peak_bytes
 
 
 def no_recompute_peak(chain: ModelChain) -> int:
     """The predicted peak (bytes) of the plan that recomputes nothing: autograd's, the memory
     a budget given as a fraction is a fraction of."""
-    return chain.held_bytes + simulate(chain.whole_graph(), no_recompute_schedule(chain),
-                                       first_run_bytes=chain.first_run_bytes).peak_bytes
+    return _exact_peak(chain, no_recompute_schedule(chain))
 
 
 def _minimum(chain: ModelChain, solver_minimum: int | None, lowest: Plan | None = None) -> int:
