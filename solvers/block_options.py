@@ -6,10 +6,10 @@ recomputation. The published implementation solves every pair from scratch; here
 
 1. the bounds of the grid come from three solves: the autograd schedule (no recomputation,
    the top corner), the smallest peak, the smallest saved memory;
-2. pairs are visited by levels, from the loosest to the tightest: a pair's level is one more
-   than the highest level of the pairs looser than it, so the pairs of a level are pairwise
-   incomparable and are decided, then solved together (``workers`` solver processes at a
-   time), from what the earlier levels found;
+2. a pair is decided once every looser pair is done, from what those found alone (the solutions
+   of incomparable pairs are left out, so that the answer does not depend on which of them
+   happen to be done): its solve starts at once, beside the solves of other pairs
+   (``workers`` solver processes at a time);
 3. the optimal time of a looser pair is a lower bound for a tighter one, and every solution
    found so far whose measured (peak, saved) fits the pair is feasible for it: when the best of
    those is within the ILP's relative gap of the bound, the pair is answered without solving
@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from rkgb.cdgraph import CDGraph
@@ -97,20 +97,6 @@ def _linspace(low: float, high: float, count: int) -> list[int]:
     return sorted({int(round(low + (high - low) * i / (count - 1))) for i in range(count)})
 
 
-def _levels(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Distinct (peak, save) ``pairs`` by levels, the loosest first: a pair's level is one more
-    than the highest level of the pairs looser than it (both budgets >=), so that the pairs of
-    a level are pairwise incomparable and every looser pair is on an earlier level."""
-    ordered = sorted(set(pairs), key=lambda q: (-q[0], -q[1]))
-    level: dict[tuple[int, int], int] = {}
-    for q in ordered:  # the looser pairs of q come before q in this order
-        level[q] = 1 + max((level[r] for r in level if r[0] >= q[0] and r[1] >= q[1]), default=-1)
-    grouped: list[list[tuple[int, int]]] = [[] for _ in range(1 + max(level.values(), default=-1))]
-    for q in ordered:
-        grouped[level[q]].append(q)
-    return grouped
-
-
 def solve_class_options(
     graph: CDGraph,
     *,
@@ -152,9 +138,9 @@ def solve_class_options(
     repair
         Repair the solutions of looser pairs into solutions of the pair (module docstring, 4).
     workers
-        ILPs solved at the same time, one solver process each (at most the CPU count). The
-        pairs of a level are decided from the earlier levels only: the options do not depend
-        on ``workers`` (unless a solve hits its time limit, which is wall-clock time).
+        ILPs solved at the same time, one solver process each (at most the CPU count). A pair
+        is decided from the looser pairs' results only: the options do not depend on
+        ``workers`` (unless a solve hits its time limit, which is wall-clock time).
     grid_time_limit_s
         Stop solving new pairs after this long (the options found so far are kept; the
         report counts the pairs left unsolved).
@@ -239,13 +225,18 @@ def solve_class_options(
         peak_range = max(1, top.peak_bytes - min_peak)
         save_range = max(1, top.saved_bytes - min_save)
 
-        # every feasible solution found so far: (computes, option); an option that fits a pair
-        # is a feasible start (MIP start) for it, and the best of them is optimal when it is no
-        # slower than the solution of a looser pair (a lower bound: tightening never helps)
-        known: list[tuple[list[str], BlockOption]] = [([c.name for c in graph.compute_nodes], top)]
+        # every feasible solution found so far: (computes, option, origin); an option that fits a
+        # pair is a feasible start (MIP start) for it, and the best of them is optimal when it is
+        # no slower than the solution of a looser pair (a lower bound: tightening never helps).
+        # ``origin``: (rank of the pair whose decision or solve found it, -1 for the bounds; its
+        # count among that pair's); a pair reads the solutions of looser pairs only, so that what
+        # it finds does not depend on which other pairs are done when it is decided
+        known: list[tuple[list[str], BlockOption, tuple[int, int]]] = [
+            ([c.name for c in graph.compute_nodes], top, (-1, 0))]
         for solution, option in ((peak_solution, lowest_peak), (save_solution, lowest_save)):
             if option is not None:
-                known.append((solution.computes, option))
+                known.append((solution.computes, option, (-1, len(known))))
+        grid_options: list[tuple[tuple[int, int], BlockOption]] = []  # the grid's, by origin
         # (peak budget, save budget, near-optimal option, its computes) of pairs answered with a proof
         answered: list[tuple[int, int, BlockOption, list[str]]] = [
             (top.peak_bytes, top.saved_bytes, top, known[0][0])]
@@ -255,6 +246,29 @@ def solve_class_options(
             allowed = {(t, k) for t, slots in enumerate(built[0].slots) for k, r in slots if r is not None}
             repairer = ScheduleRepair(graph, allowed, lazy=lazy_recompute, tied=built[0].tied_forwards())
 
+        # a save budget above the peak budget is the peak budget; equal pairs are solved once
+        grid = [(peak, min(save, peak)) for peak in peaks for save in saves]
+        report.pairs += len(grid)
+        report.reused += len(grid) - len(set(grid))
+        order = sorted(set(grid), key=lambda q: (-q[0], -q[1]))  # every looser pair before a pair
+        rank = {q: i for i, q in enumerate(order)}
+        looser = {q: [r for r in order if r != q and r[0] >= q[0] and r[1] >= q[1]] for q in order}
+        tighter: dict[tuple[int, int], list[tuple[int, int]]] = {q: [] for q in order}
+        for q in order:
+            for r in looser[q]:
+                tighter[r].append(q)
+        waiting_for = {q: len(looser[q]) for q in order}
+        found_by: dict[int, int] = {}  # pair rank -> solutions it found so far
+
+        def remember(computes: list[str], option: BlockOption, q: tuple[int, int]) -> None:
+            count = found_by.get(rank[q], 0)
+            found_by[rank[q]] = count + 1
+            known.append((computes, option, (rank[q], count)))
+            grid_options.append(((rank[q], count), option))
+
+        def from_looser(origin: tuple[int, int], peak: int, save: int) -> bool:
+            return origin[0] < 0 or (order[origin[0]][0] >= peak and order[origin[0]][1] >= save)
+
         def excess(option: BlockOption, peak: int, save: int) -> float:
             """How far ``option`` is from fitting (peak, save), relative to the grid's ranges."""
             return max(0, option.peak_bytes - peak) / peak_range + max(0, option.saved_bytes - save) / save_range
@@ -262,69 +276,96 @@ def solve_class_options(
         def repaired_start(peak: int, save: int, best, bound: float | None):
             """The best of ``best`` and of the repairs of the nearest looser answers (each better
             repair is kept as a known solution and an option)."""
-            looser = sorted((a for a in answered if peak <= a[0] and save <= a[1] and excess(a[2], peak, save) > 0),
-                            key=lambda a: (a[0] - peak) / peak_range + (a[1] - save) / save_range)
+            looser_answers = sorted(
+                (a for a in answered if peak <= a[0] and save <= a[1] and excess(a[2], peak, save) > 0),
+                key=lambda a: ((a[0] - peak) / peak_range + (a[1] - save) / save_range, -a[0], -a[1]))
             began = time.process_time()
-            for _, _, _, computes in looser[:REPAIR_SEEDS]:
+            for _, _, _, computes in looser_answers[:REPAIR_SEEDS]:
                 found = repairer.repair(computes, peak, save)
                 if found is not None and (best is None or found[1].time_s < best[1].time_s):
                     best = found
-                    known.append(found)
-                    options.append(found[1])
+                    remember(*found, (peak, save))
                     report.repaired += 1
                     if bound is not None and best[1].time_s <= bound * (1 + accept):
                         break  # optimal: no need for another seed
             report.repair_s += time.process_time() - began
             return best
 
-        # a save budget above the peak budget is the peak budget; equal pairs are solved once
-        grid = [(peak, min(save, peak)) for peak in peaks for save in saves]
-        report.pairs += len(grid)
-        report.reused += len(grid) - len(set(grid))
-        for level in _levels(grid):
-            # decide each pair of the level from what the earlier levels found; a pair to solve
-            # starts solving at once, and the level's results are taken in order at its end
-            tasks = []  # (peak, save, start, solution to come)
-            for peak, save in level:
-                if any(peak <= p and save <= s for p, s in infeasible):
-                    report.pruned_infeasible += 1
-                    continue
-                fitting = [(c, o) for c, o in known if o.peak_bytes <= peak and o.saved_bytes <= save]
-                best = min(fitting, key=lambda co: co[1].time_s, default=None)
-                bound = max((o.time_s for p, s, o, _ in answered if peak <= p and save <= s), default=None)
+        def decide(q: tuple[int, int]):
+            """Answer pair ``q`` from the looser pairs' results (None), or start its solve:
+            (the start given, the solve's future)."""
+            peak, save = q
+            if any(peak <= p and save <= s for p, s in infeasible):
+                report.pruned_infeasible += 1
+                return None
+            fitting = [entry for entry in known if entry[1].peak_bytes <= peak and entry[1].saved_bytes <= save
+                       and from_looser(entry[2], peak, save)]
+            best = min(fitting, key=lambda entry: (entry[1].time_s, entry[2]), default=None)
+            best = None if best is None else best[:2]
+            bound = max((o.time_s for p, s, o, _ in answered if peak <= p and save <= s), default=None)
+            if best is not None and bound is not None and best[1].time_s <= bound * (1 + accept):
+                report.reused += 1
+                return None
+            if repairer is not None:
+                best = repaired_start(peak, save, best, bound)
                 if best is not None and bound is not None and best[1].time_s <= bound * (1 + accept):
                     report.reused += 1
-                    continue
-                if repairer is not None:
-                    best = repaired_start(peak, save, best, bound)
-                    if best is not None and bound is not None and best[1].time_s <= bound * (1 + accept):
-                        report.reused += 1
-                        answered.append((peak, save, best[1], best[0]))
-                        continue
-                if grid_time_limit_s is not None and time.perf_counter() - start > grid_time_limit_s:
-                    report.grid_limit_skipped += 1  # the best fitting option (if any) is already kept
-                    continue
-                kwargs = {"start": best[0] if best is not None and warm_start else None}
-                tasks.append((peak, save, best, pool.submit(solve_one, peak, save, kwargs)))
-            for peak, save, best, future in tasks:
-                solution = future.result()
-                report.solved += 1
-                option = measured(solution, f"peak<={peak}, save<={save}")
-                if option is None:
-                    if not solution.time_limit_hit:
-                        infeasible.append((peak, save))
-                    else:
-                        report.time_limit_hits += 1
-                    continue
-                report.time_limit_hits += int(option.time_limit_hit)
-                computes = solution.computes
-                if best is not None and best[1].time_s < option.time_s:
-                    computes, option = best  # the solver stopped (time limit, gap) above the start
+                    answered.append((peak, save, best[1], best[0]))
+                    return None
+            if grid_time_limit_s is not None and time.perf_counter() - start > grid_time_limit_s:
+                report.grid_limit_skipped += 1  # the best fitting option (if any) is already kept
+                return None
+            kwargs = {"start": best[0] if best is not None and warm_start else None}
+            return best, pool.submit(solve_one, peak, save, kwargs)
+
+        def conclude(q: tuple[int, int], best, solution) -> None:
+            peak, save = q
+            report.solved += 1
+            option = measured(solution, f"peak<={peak}, save<={save}")
+            if option is None:
+                if not solution.time_limit_hit:
+                    infeasible.append((peak, save))
                 else:
-                    known.append((computes, option))
-                    options.append(option)
-                if not solution.time_limit_hit:  # a proof (within the gap): a bound for tighter pairs
-                    answered.append((peak, save, option, computes))
+                    report.time_limit_hits += 1
+                return
+            report.time_limit_hits += int(option.time_limit_hit)
+            computes = solution.computes
+            if best is not None and best[1].time_s < option.time_s:
+                computes, option = best  # the solver stopped (time limit, gap) above the start
+            else:
+                remember(computes, option, q)
+            if not solution.time_limit_hit:  # a proof (within the gap): a bound for tighter pairs
+                answered.append((peak, save, option, computes))
+
+        # each pair is decided once every looser pair is done (answered, solved or pruned), from
+        # their results alone: the options do not depend on ``workers`` or on the solves' timing
+        # (unless a solve hits its time limit, which is wall-clock time), and a pair's solve
+        # starts as soon as its looser pairs are done, beside the solves of other pairs
+        ready = [q for q in order if waiting_for[q] == 0]
+        running: dict = {}  # future -> (pair, its start)
+
+        def done(q: tuple[int, int]) -> None:
+            for t in tighter[q]:
+                waiting_for[t] -= 1
+                if waiting_for[t] == 0:
+                    ready.append(t)
+
+        while ready or running:
+            while ready:
+                ready.sort(key=rank.get)
+                q = ready.pop(0)
+                task = decide(q)
+                if task is None:
+                    done(q)
+                else:
+                    running[task[1]] = (q, task[0])
+            if running:
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for future in sorted(finished, key=lambda f: rank[running[f][0]]):
+                    q, best = running.pop(future)
+                    conclude(q, best, future.result())
+                    done(q)
+        options.extend(option for _, option in sorted(grid_options, key=lambda entry: entry[0]))
     report.grid_s = time.perf_counter() - start - report.build_s - report.bounds_s
     front = pareto_front(options)
     report.total_s = time.perf_counter() - start

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 import pulp
 
 from rkgb.cdgraph import CDGraph, ComputeKind, DataKind
+from solvers.cbc_template import MPSTemplate, TemplateCBC
 from solvers.forward_runs import forward_runs
 from solvers.simulate import effective_needs, gradient_profile, operation_outputs, phantoms_of
 
@@ -169,7 +170,8 @@ def solve_with_ortools(prob: pulp.LpProblem, name: str, time_limit_s: float | No
 
 
 def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0,
-                     heuristics: bool = True, cbc_options: tuple[str, ...] = ("cuts off",)) -> pulp.LpSolver:
+                     heuristics: bool = True, cbc_options: tuple[str, ...] = ("cuts off",),
+                     template: tuple[MPSTemplate, str] | None = None) -> pulp.LpSolver:
     """A pulp solver by name: ``"cbc"`` (bundled) or ``"highs"`` (needs ``highspy``).
 
     Measured on the GPT-like attention block (43 C-nodes, 10 x 10 grid, 2 s per ILP, 1% gap,
@@ -180,7 +182,8 @@ def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0,
     these models CBC's cuts barely move the bound and cost ~half of the solve time (measured:
     2x faster over a sample of grid pairs). ``heuristics=False`` turns CBC's primal heuristics
     off: for solves given a start near the optimum, where the feasibility pump and the dives
-    only cost time (~20% less over an option grid).
+    only cost time (~20% less over an option grid). ``template``: the problem's
+    :class:`solvers.cbc_template.MPSTemplate` and the objective's key, for CBC.
     """
     if name == "cbc":
         with _WARNINGS_LOCK, warnings.catch_warnings():  # the option grid builds solvers in threads
@@ -190,8 +193,8 @@ def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0,
             # process in 30 that solve an option grid from a process that imported torch had a CBC
             # run of a trivial model take 10.0 s, whatever its time limit (measured on the bench
             # ResNet's 3-compute classes; none in 60 runs without it, and the same figures)
-            return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=None,
-                                     options=options)
+            settings = dict(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=None, options=options)
+            return pulp.PULP_CBC_CMD(**settings) if template is None else TemplateCBC(*template, **settings)
     if name == "highs":
         if not highs_available():
             raise ImportError("ilp_solver='highs' needs the highspy package: pip install highspy")
@@ -307,6 +310,8 @@ class RkCheckmateILP:
         self.producer = producer
         self.peak_var = _variable(prob, "peak_budget", lowBound=0)
         self.save_var = _variable(prob, "save_budget", lowBound=0)
+        # the model's MPS text for CBC, written once per objective (solvers.cbc_template)
+        self.mps = MPSTemplate(prob, [self.peak_var, self.save_var])
         size = {d.name: d.size_bytes / self.unit for d in graph.data_nodes}
 
         # runs of forwards recomputed as a whole: one R variable per run and stage
@@ -533,7 +538,8 @@ class RkCheckmateILP:
         # with a start (a neighbouring pair's solution, repaired to fit), CBC's heuristics are
         # not worth their time
         extra = {} if cbc_options is None else {"cbc_options": cbc_options}
-        backend = make_pulp_solver(solver, time_limit_s, gap, heuristics=start is None, **extra)
+        backend = make_pulp_solver(solver, time_limit_s, gap, heuristics=start is None,
+                                   template=(self.mps, objective), **extra)
         if start is not None and solver in ("cbc", *ORTOOLS_ENGINES):
             self._set_start(start)
             warm_start = True
@@ -574,11 +580,13 @@ class RkCheckmateILP:
         integer = [v for v in self.prob.variables() if v.cat == pulp.LpInteger]
         for v in integer:
             v.cat = pulp.LpContinuous
+        self.mps.invalidate()
         try:
             solution = self.solve(peak_bytes, objective=objective, time_limit_s=time_limit_s, solver=solver)
         finally:
             for v in integer:
                 v.cat = pulp.LpInteger
+            self.mps.invalidate()
         if not solution.feasible:
             return None
         return {v.name: float(v.varValue or 0.0) for v in self.prob.variables() if v.name.startswith("S_")}
@@ -586,6 +594,7 @@ class RkCheckmateILP:
     def fix_liveness(self, values: dict[str, float] | None) -> None:
         """Fix each liveness variable named in ``values`` to its value (0 or 1), or free them
         all again (None): Checkmate's second phase solves the recomputations given them."""
+        self.mps.invalidate()
         for v in self.prob.variables():
             if not v.name.startswith("S_"):
                 continue

@@ -31,7 +31,7 @@ from rkgb.disk_cache import read_pickle, write_pickle
 __all__ = ["OptionCache", "default_cache", "default_directory", "OPTIONS_FORMAT"]
 
 # bump when the options of a given CD-graph change (the ILP, the grid, the repair, the fields)
-OPTIONS_FORMAT = 3
+OPTIONS_FORMAT = 4
 
 
 def similar_times(old: tuple[float, ...], new: tuple[float, ...], factor: float = 4.0) -> bool:
