@@ -377,7 +377,8 @@ class RkCheckmateILP:
                         continue
                     made = set(outputs_of[k])
                     readers = [x for j, x in self.slots[t][i + 1 :] if made & needs_of[j]]
-                    if any(x is None for x in readers):
+                    # (a reader recomputed with it, in one run, is its own variable: no constraint)
+                    if any(x is None or x is r for x in readers):
                         continue
                     prob += r <= pulp.lpSum(readers)
                     n_rows += 1
