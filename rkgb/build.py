@@ -111,6 +111,10 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                     owned={
                         dname(d, G): tuple(parts) for d, parts in node.grad_owned.items() if d in grad_exists
                     },
+                    together={
+                        dname(d, G): tuple(groups) for d, groups in node.grad_together.items() if d in grad_exists
+                    },
+                    together_bytes=tuple(node.together_bytes),
                 ),
             )
     boundary = ([INPUT_NAME] if measure.input_requires_grad else []) + \

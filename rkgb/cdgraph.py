@@ -149,6 +149,11 @@ class ComputeNode:
     # same (a view of a result of its own size: a transpose's gradient): the engine frees it once
     # used (solvers.simulate's hand-off)
     owned: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # gradient produced -> for each of its parts, the group of this backward's new storages its
+    # contribution is a view of (-1: none): the slices of one tensor made here (a `cat`'s
+    # gradient) that several gradients' parts receive hold one storage between them
+    together: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    together_bytes: tuple[int, ...] = ()  # the bytes of each of those storages
     # temporary memory of a forward run without grad (None: ``overhead_bytes``)
     no_grad_overhead_bytes: int | None = None
     # ``aliases`` of the block's input gradient that the block's own figures count as new
@@ -264,6 +269,7 @@ class CDGraph:
                 aliases={rename_data(g): v for g, v in c.aliases.items()},
                 shared={rename_data(g): v for g, v in c.shared.items()},
                 owned={rename_data(g): v for g, v in c.owned.items()},
+                together={rename_data(g): v for g, v in c.together.items()},
                 boundary_aliases={rename_data(g): v for g, v in c.boundary_aliases.items()},
             )
 
@@ -306,7 +312,7 @@ class CDGraph:
             if c.overhead_bytes < 0 or c.time_s < 0 or (c.no_grad_overhead_bytes or 0) < 0:
                 raise CDGraphError(f"{self.name}: compute node {c.name!r} has a negative cost")
             own = self._data.get(data_name(c.target, DataKind.GRAD))
-            for table in (c.contributes, c.aliases, c.shared):
+            for table in (c.contributes, c.aliases, c.shared, c.together):
                 for g in table:
                     if g not in c.produces or g not in self._data or self._data[g].kind is not DataKind.GRAD:
                         raise CDGraphError(

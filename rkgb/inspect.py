@@ -96,6 +96,11 @@ class NodeMeasure:
     # dep -> those of grad_shared whose storage the gradient holds alone all the same (a view of
     # a result of its own size, a transpose's gradient): freed with it
     grad_owned: dict[str, list[int]] = field(default_factory=dict)
+    # dep -> for each part of its gradient, the group of new storages that the backward's one
+    # contribution to it is a view of, shared with other parts' contributions, or -1
+    # (:attr:`rkgb.cdgraph.ComputeNode.together`)
+    grad_together: dict[str, list[int]] = field(default_factory=dict)
+    together_bytes: list[int] = field(default_factory=list)  # the bytes of each of those storages
     # model input (fx name) -> for each contribution of the backward to its gradient, the part
     # of ours that it is (an add's backward passes its incoming gradient on), or -1: a new tensor
     input_grad_aliases: dict[str, list[int]] = field(default_factory=dict)
@@ -903,6 +908,23 @@ class _IncomingParts:
         return _AliasRecorder(self)
 
 
+def _storages_made(pending: list, part_of_sink: dict[int, tuple[str, int]],
+                   incoming: _IncomingParts) -> dict[tuple[str, int], list[int]]:
+    """For each (gradient, part) that the contributions waiting in ``pending``
+    (:class:`rkgb.gradsink.GradientQueue`) go to (``part_of_sink``: sink -> its gradient's part),
+    the storages of those that are not parts of the incoming gradient (``incoming``): new tensors
+    of the backward, or views of one (the slices of a `cat`'s gradient). Read while they wait:
+    every one of them is alive, so that equal storages are one."""
+    made: dict[tuple[str, int], list[int]] = {}
+    for entry in pending:
+        where = part_of_sink.get(id(entry[1]))
+        if where is None or entry[3] is not None:  # (a view group's contribution: summed apart)
+            continue
+        grad = entry[2]
+        made.setdefault(where, []).append(-1 if incoming.part(grad) >= 0 else grad.untyped_storage()._cdata)
+    return {where: storages for where, storages in made.items() if -1 not in storages}
+
+
 class _AliasRecorder(list):
     """A sink's ``keys`` (:class:`rkgb.gradsink.GradSink`) during the inspection: for each
     contribution, the part of the incoming gradient it is an alias of, or -1, resolved when the
@@ -1200,6 +1222,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 for leaf in leaves[name]:
                     leaf.grad = None
                 saved.free_phantoms(name)
+                made_in = _storages_made(queue.pending, {id(sink): (d, i) for d in targets
+                                                          for i, (_, sink) in enumerate(grad_leaves[d])}, incoming)
                 queue.flush()
                 for fx_name, sink in input_sinks.items():
                     if sink.keys:
@@ -1210,7 +1234,21 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     leaf.grad = None
             else:
                 peak, handed = 0, None
+                made_in = {}
             added = 0
+            # the parts whose one contribution is a view of a new storage that another part's is too
+            alone_in = {}
+            for d in targets:
+                for i, (_, sink) in enumerate(grad_leaves[d]):
+                    if sink.calls - calls[d][i] == 1 and len(made_in.get((d, i), ())) == 1:
+                        alone_in.setdefault(made_in[(d, i)][0], []).append((d, i))
+            together: dict[tuple[str, int], int] = {}
+            group_bytes: list[int] = []  # the bytes of each group's storage, counted once
+            for members in alone_in.values():
+                if len(members) > 1:
+                    together.update((member, len(group_bytes)) for member in members)
+                    group_bytes.append(max(grad_leaves[d][i][1].last_bytes for d, i in members))
+            counted: set[int] = set()
             for d in targets:
                 sizes = grad_parts_of[d]
                 contributed, sources, shared, owned = [], [], [], []
@@ -1221,6 +1259,16 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     found = set(sink.keys)
                     source = found.pop() if len(found) == 1 else -1
                     sink.keys = None
+                    group = together.get((d, i), -1)
+                    if group >= 0:  # its storage counted once, for the group
+                        added += 0 if group in counted else group_bytes[group]
+                        counted.add(group)
+                        state.produce((d, i), 0, True)
+                        contributed.append(i)
+                        sources.append(source)
+                        if calls[d][i] == 0 and sink.first_shared:
+                            shared.append(i)
+                        continue
                     if count == 1 and source < 0 and sink.last_bytes > sizes[i]:
                         # a slice of a bigger tensor made inside this backward (the gradient of
                         # a `cat` of several nodes' results): it holds all of it, as eager's
@@ -1242,6 +1290,9 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     measure.grad_shared[anonymous[d]] = shared
                 if owned:
                     measure.grad_owned[anonymous[d]] = owned
+                if any((d, i) in together for i in range(len(sizes))):
+                    measure.grad_together[anonymous[d]] = [together.get((d, i), -1) for i in range(len(sizes))]
+            measure.together_bytes = group_bytes
             measure.backward_overhead_bytes = max(0, peak - added)
             if handed is not None and handed < peak:
                 measure.handoff_overhead_bytes = handed - added

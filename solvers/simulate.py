@@ -128,10 +128,10 @@ class _Storages:
         if old is not None:
             self._release(old)
 
-    def _hold_new(self, d: str, part: int) -> int:
-        """``part`` of ``d`` holds a new storage; return its bytes."""
+    def _hold_new(self, d: str, part: int, size: int = 0) -> int:
+        """``part`` of ``d`` holds a new storage (of at least ``size`` bytes); return its bytes."""
         self._next += 1
-        size = self._part_size(d, part)
+        size = max(size, self._part_size(d, part))
         self.bytes[self._next] = size
         self.holders[self._next] = 0
         self._hold(d, part, self._next)
@@ -184,21 +184,28 @@ class _Storages:
             return sum(self.add(d) for d in outputs)
         before = self.memory
         own = self.storage.get(data_name(node.target, DataKind.GRAD))
+        # the new storages that several parts' contributions are views of (ComputeNode.together)
+        made: dict[int, int] = {}
         for d in outputs:
             count = len(self.graph.data(d).part_sizes)
             parts = self.storage.setdefault(d, [None] * count)
             sources = node.aliases.get(d, ())
+            groups = node.together.get(d, ())
             for i in node.contributes.get(d, range(count)):
                 j = sources[i] if i < len(sources) else -1
                 alias = own[j] if j >= 0 and own is not None and own[j] is not None else None
+                group = groups[i] if alias is None and i < len(groups) else -1
+                if group >= 0 and group in made:
+                    alias = made[group]  # a view of a storage another part's contribution made
                 if parts[i] is None:  # the first contribution: the gradient's own
                     if alias is not None:
                         self._hold(d, i, alias)
                     else:
-                        self._hold_new(d, i)
-                        if i in node.shared.get(d, ()):
+                        self._hold_new(d, i, self._group_size(node, group))
+                        made[group] = parts[i]
+                        if i in node.shared.get(d, ()) or group >= 0:
                             self.shared.add(parts[i])
-                            if i in node.owned.get(d, ()):
+                            if i in node.owned.get(d, ()) and group < 0:
                                 self.owned.add(parts[i])
                     continue
                 # a contribution to a gradient alive: it waits for the flush
@@ -207,9 +214,18 @@ class _Storages:
                     storage = alias
                 else:
                     size = 0 if d in self.uncounted else self.graph.data(d).part_sizes[i]
-                    storage = self._new(size)
+                    storage = made[group] = self._new(max(size, self._group_size(node, group)))
+                    if group >= 0:
+                        self.shared.add(storage)
                 self.pending.append((d, i, storage))
         return self.memory - before
+
+    def _group_size(self, node: ComputeNode, group: int) -> int:
+        """The bytes of the new storage ``group`` of ``node`` (ComputeNode.together); 0 for -1
+        and where every part it goes to is uncounted (a graph's input gradient)."""
+        if group < 0 or all(d in self.uncounted for d, groups in node.together.items() if group in groups):
+            return 0
+        return node.together_bytes[group]
 
     def contribute_first_run(self, node: ComputeNode, entry: FirstRun) -> int:
         """A contribution of ``node`` to a model input's gradient (``entry``, accumulating) as
