@@ -414,11 +414,14 @@ def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, bloc
                 key = input_grad_key(same.get(input_name, input_name))
                 own = [i for i, entry in enumerate(result.get(name, ())) if entry.key == key]
                 owned = measure.input_grad_owned.get(input_name, [False] * len(sources))
-                if len(own) != len(sources) or not any(j >= 0 for j in sources) and not any(owned):
+                groups = measure.input_grad_together.get(input_name, [])
+                groups = groups + [-1] * (len(sources) - len(groups))
+                if len(own) != len(sources) or not any(j >= 0 for j in sources) and not any(owned) \
+                        and not any(g >= 0 for g in groups):
                     continue
                 updated = list(result[name])
-                for i, j, dense in zip(own, sources, owned):
-                    updated[i] = replace(updated[i], alias=j, owned=dense)
+                for i, j, dense, group in zip(own, sources, owned, groups):
+                    updated[i] = replace(updated[i], alias=j, owned=dense, together=group)
                 result[name] = tuple(updated)
     return result
 

@@ -422,6 +422,8 @@ class FirstRun:
     ``owned``: that contribution is a dense tensor over a storage of its own (not a slice of a
     bigger gradient, not an expanded one), which a later contribution is added into in place
     once nothing else holds it, as eager's buffer does; else the sum is a new tensor.
+    ``together``: that contribution is (a view of) one of the node's new storages that its
+    contributions to gradients' parts are views of too (:attr:`ComputeNode.together`; -1: none).
     """
 
     key: str
@@ -433,6 +435,7 @@ class FirstRun:
     until: str | None = None
     alias: int = -1
     owned: bool = False
+    together: int = -1
 
 
 # the keys of first-run gradients that other phases look up (rkgb.build makes them)

@@ -107,6 +107,9 @@ class NodeMeasure:
     # model input (fx name) -> for each contribution, whether it is a dense tensor over a
     # storage of its own (:attr:`rkgb.cdgraph.FirstRun.owned`)
     input_grad_owned: dict[str, list[bool]] = field(default_factory=dict)
+    # model input (fx name) -> for each contribution, the group of ``grad_together`` whose
+    # storage it is (a view of), or -1 (:attr:`rkgb.cdgraph.FirstRun.together`)
+    input_grad_together: dict[str, list[int]] = field(default_factory=dict)
     data_deps: list[str] = field(default_factory=list)
     is_random: bool = False
 
@@ -908,21 +911,35 @@ class _IncomingParts:
         return _AliasRecorder(self)
 
 
-def _storages_made(pending: list, part_of_sink: dict[int, tuple[str, int]],
-                   incoming: _IncomingParts) -> dict[tuple[str, int], list[int]]:
-    """For each (gradient, part) that the contributions waiting in ``pending``
-    (:class:`rkgb.gradsink.GradientQueue`) go to (``part_of_sink``: sink -> its gradient's part),
-    the storages of those that are not parts of the incoming gradient (``incoming``): new tensors
-    of the backward, or views of one (the slices of a `cat`'s gradient). Read while they wait:
-    every one of them is alive, so that equal storages are one."""
-    made: dict[tuple[str, int], list[int]] = {}
+def _storages_made(pending: list, part_of_sink: dict[int, tuple[str, int]], input_sinks: dict[str, GradSink],
+                   incoming: _IncomingParts) -> dict[tuple, list[tuple[int, int]]]:
+    """The storages (and their bytes) of the contributions waiting in ``pending``
+    (:class:`rkgb.gradsink.GradientQueue`) that are not parts of the incoming gradient
+    (``incoming``): new tensors of the backward, or views of one (the slices of a `cat`'s
+    gradient). By (gradient, part) for the sinks of ``part_of_sink`` (sink -> its gradient's
+    part), by (model input, index of the contribution in the order its sink takes them) for
+    ``input_sinks``. Read while they wait: every one of them is alive, so that equal storages
+    are one."""
+    made: dict[tuple, list[tuple[int, int]]] = {}
+    inputs = {id(sink): name for name, sink in input_sinks.items()}
+    by_input: dict[str, list] = {}
     for entry in pending:
-        where = part_of_sink.get(id(entry[1]))
-        if where is None or entry[3] is not None:  # (a view group's contribution: summed apart)
+        if entry[3] is not None:  # (a view group's contribution: summed apart)
             continue
         grad = entry[2]
-        made.setdefault(where, []).append(-1 if incoming.part(grad) >= 0 else grad.untyped_storage()._cdata)
-    return {where: storages for where, storages in made.items() if -1 not in storages}
+        storage = (-1, 0) if incoming.part(grad) >= 0 else \
+            (grad.untyped_storage()._cdata, grad.untyped_storage().nbytes())
+        where = part_of_sink.get(id(entry[1]))
+        if where is not None:
+            made.setdefault(where, []).append(storage)
+        elif id(entry[1]) in inputs:
+            by_input.setdefault(inputs[id(entry[1])], []).append((entry[0], storage))
+    for name, entries in by_input.items():
+        if all(rank is not None for rank, _ in entries):  # (the order the queue hands them over)
+            entries.sort(key=lambda entry: entry[0])
+        for k, (_, storage) in enumerate(entries):
+            made[(name, -1 - k)] = [storage]
+    return {where: storages for where, storages in made.items() if all(s[0] != -1 for s in storages)}
 
 
 class _AliasRecorder(list):
@@ -1223,7 +1240,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     leaf.grad = None
                 saved.free_phantoms(name)
                 made_in = _storages_made(queue.pending, {id(sink): (d, i) for d in targets
-                                                          for i, (_, sink) in enumerate(grad_leaves[d])}, incoming)
+                                                          for i, (_, sink) in enumerate(grad_leaves[d])},
+                                         input_sinks, incoming)
                 queue.flush()
                 for fx_name, sink in input_sinks.items():
                     if sink.keys:
@@ -1237,17 +1255,26 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 made_in = {}
             added = 0
             # the parts whose one contribution is a view of a new storage that another part's is too
-            alone_in = {}
-            for d in targets:
-                for i, (_, sink) in enumerate(grad_leaves[d]):
-                    if sink.calls - calls[d][i] == 1 and len(made_in.get((d, i), ())) == 1:
-                        alone_in.setdefault(made_in[(d, i)][0], []).append((d, i))
-            together: dict[tuple[str, int], int] = {}
+            # (and the model inputs' contributions, (input, -1 - k): rkgb.cdgraph.FirstRun.together)
+            alone_in: dict[int, list[tuple]] = {}
+            storage_bytes: dict[int, int] = {}
+            for where, storages in made_in.items():
+                d, i = where
+                if len(storages) != 1 or (i >= 0 and grad_leaves[d][i][1].calls - calls[d][i] != 1):
+                    continue  # (a part with several contributions)
+                alone_in.setdefault(storages[0][0], []).append(where)
+                storage_bytes[storages[0][0]] = storages[0][1]
+            together: dict[tuple, int] = {}
             group_bytes: list[int] = []  # the bytes of each group's storage, counted once
-            for members in alone_in.values():
-                if len(members) > 1:
+            for storage, members in alone_in.items():
+                if len(members) > 1 and any(i >= 0 for _, i in members):
                     together.update((member, len(group_bytes)) for member in members)
-                    group_bytes.append(max(grad_leaves[d][i][1].last_bytes for d, i in members))
+                    group_bytes.append(storage_bytes[storage])
+            for (input_name, k), group in together.items():
+                if k < 0:
+                    groups = measure.input_grad_together.setdefault(input_name, [])
+                    groups.extend([-1] * (-k - len(groups)))
+                    groups[-1 - k] = group
             counted: set[int] = set()
             for d in targets:
                 sizes = grad_parts_of[d]

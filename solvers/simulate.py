@@ -109,6 +109,8 @@ class _Storages:
         # storages of model inputs' gradients that are dense tensors of their own (FirstRun.owned,
         # and the sums made of them): a later contribution is added in place once held alone
         self.addable: set[int] = set()
+        # the storages of the last backward's groups (ComputeNode.together) -> storage
+        self.made: dict[int, int] = {}
         self.memory = 0
         self._next = 0
 
@@ -184,8 +186,9 @@ class _Storages:
             return sum(self.add(d) for d in outputs)
         before = self.memory
         own = self.storage.get(data_name(node.target, DataKind.GRAD))
-        # the new storages that several parts' contributions are views of (ComputeNode.together)
-        made: dict[int, int] = {}
+        # the new storages that several parts' contributions are views of (ComputeNode.together),
+        # for contribute_first_run too
+        made = self.made = {}
         for d in outputs:
             count = len(self.graph.data(d).part_sizes)
             parts = self.storage.setdefault(d, [None] * count)
@@ -238,6 +241,9 @@ class _Storages:
         self.first_run_sizes[d] = entry.bytes
         own = self.storage.get(data_name(node.target, DataKind.GRAD)) if entry.alias >= 0 else None
         alias = own[entry.alias] if own is not None and entry.alias < len(own) else None
+        if alias is None and entry.together >= 0:
+            # the storage that the node's contributions to gradients' parts are views of too
+            alias = self.made.get(entry.together)
         if d not in self.storage:
             if alias is not None:
                 self._hold(d, 0, alias)
