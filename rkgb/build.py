@@ -114,7 +114,7 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                     together={
                         dname(d, G): tuple(groups) for d, groups in node.grad_together.items() if d in grad_exists
                     },
-                    together_bytes=tuple(node.together_bytes),
+                    together_storages=tuple(node.together_storages),
                 ),
             )
     boundary = ([INPUT_NAME] if measure.input_requires_grad else []) + \

@@ -153,7 +153,10 @@ class ComputeNode:
     # contribution is a view of (-1: none): the slices of one tensor made here (a `cat`'s
     # gradient) that several gradients' parts receive hold one storage between them
     together: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    together_bytes: tuple[int, ...] = ()  # the bytes of each of those storages
+    # (bytes, whole) of each of those storages; whole: the contributions are its one dense tensor
+    # itself (an engine's sum passed to several), into which a later contribution is added in
+    # place once nothing else holds it
+    together_storages: tuple[tuple[int, bool], ...] = ()
     # temporary memory of a forward run without grad (None: ``overhead_bytes``)
     no_grad_overhead_bytes: int | None = None
     # ``aliases`` of the block's input gradient that the block's own figures count as new

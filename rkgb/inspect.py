@@ -100,7 +100,8 @@ class NodeMeasure:
     # contribution to it is a view of, shared with other parts' contributions, or -1
     # (:attr:`rkgb.cdgraph.ComputeNode.together`)
     grad_together: dict[str, list[int]] = field(default_factory=dict)
-    together_bytes: list[int] = field(default_factory=list)  # the bytes of each of those storages
+    # the (bytes, whole) of each of those storages (:attr:`rkgb.cdgraph.ComputeNode.together_storages`)
+    together_storages: list[tuple[int, bool]] = field(default_factory=list)
     # model input (fx name) -> for each contribution of the backward to its gradient, the part
     # of ours that it is (an add's backward passes its incoming gradient on), or -1: a new tensor
     input_grad_aliases: dict[str, list[int]] = field(default_factory=dict)
@@ -912,23 +913,25 @@ class _IncomingParts:
 
 
 def _storages_made(pending: list, part_of_sink: dict[int, tuple[str, int]], input_sinks: dict[str, GradSink],
-                   incoming: _IncomingParts) -> dict[tuple, list[tuple[int, int]]]:
-    """The storages (and their bytes) of the contributions waiting in ``pending``
+                   incoming: _IncomingParts) -> dict[tuple, list[tuple[int, int, bool]]]:
+    """The storages (their bytes, and whether the contribution is all of it) of the contributions waiting in ``pending``
     (:class:`rkgb.gradsink.GradientQueue`) that are not parts of the incoming gradient
     (``incoming``): new tensors of the backward, or views of one (the slices of a `cat`'s
     gradient). By (gradient, part) for the sinks of ``part_of_sink`` (sink -> its gradient's
     part), by (model input, index of the contribution in the order its sink takes them) for
     ``input_sinks``. Read while they wait: every one of them is alive, so that equal storages
     are one."""
-    made: dict[tuple, list[tuple[int, int]]] = {}
+    made: dict[tuple, list[tuple[int, int, bool]]] = {}
     inputs = {id(sink): name for name, sink in input_sinks.items()}
     by_input: dict[str, list] = {}
     for entry in pending:
         if entry[3] is not None:  # (a view group's contribution: summed apart)
             continue
         grad = entry[2]
-        storage = (-1, 0) if incoming.part(grad) >= 0 else \
-            (grad.untyped_storage()._cdata, grad.untyped_storage().nbytes())
+        # (whole: the storage's one dense tensor itself, not a view of part of it)
+        whole = non_overlapping_and_dense(grad) and grad.numel() * grad.element_size() == grad.untyped_storage().nbytes()
+        storage = (-1, 0, False) if incoming.part(grad) >= 0 else \
+            (grad.untyped_storage()._cdata, grad.untyped_storage().nbytes(), whole)
         where = part_of_sink.get(id(entry[1]))
         if where is not None:
             made.setdefault(where, []).append(storage)
@@ -1257,19 +1260,20 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             # the parts whose one contribution is a view of a new storage that another part's is too
             # (and the model inputs' contributions, (input, -1 - k): rkgb.cdgraph.FirstRun.together)
             alone_in: dict[int, list[tuple]] = {}
-            storage_bytes: dict[int, int] = {}
+            storage_of: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, every member whole)
             for where, storages in made_in.items():
                 d, i = where
                 if len(storages) != 1 or (i >= 0 and grad_leaves[d][i][1].calls - calls[d][i] != 1):
                     continue  # (a part with several contributions)
-                alone_in.setdefault(storages[0][0], []).append(where)
-                storage_bytes[storages[0][0]] = storages[0][1]
+                key, size, whole = storages[0]
+                alone_in.setdefault(key, []).append(where)
+                storage_of[key] = (size, whole and storage_of.get(key, (0, True))[1])
             together: dict[tuple, int] = {}
-            group_bytes: list[int] = []  # the bytes of each group's storage, counted once
+            group_storages: list[tuple[int, bool]] = []  # each group's storage, counted once
             for storage, members in alone_in.items():
                 if len(members) > 1 and any(i >= 0 for _, i in members):
-                    together.update((member, len(group_bytes)) for member in members)
-                    group_bytes.append(storage_bytes[storage])
+                    together.update((member, len(group_storages)) for member in members)
+                    group_storages.append(storage_of[storage])
             for (input_name, k), group in together.items():
                 if k < 0:
                     groups = measure.input_grad_together.setdefault(input_name, [])
@@ -1288,7 +1292,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     sink.keys = None
                     group = together.get((d, i), -1)
                     if group >= 0:  # its storage counted once, for the group
-                        added += 0 if group in counted else group_bytes[group]
+                        added += 0 if group in counted else group_storages[group][0]
                         counted.add(group)
                         state.produce((d, i), 0, True)
                         contributed.append(i)
@@ -1319,7 +1323,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     measure.grad_owned[anonymous[d]] = owned
                 if any((d, i) in together for i in range(len(sizes))):
                     measure.grad_together[anonymous[d]] = [together.get((d, i), -1) for i in range(len(sizes))]
-            measure.together_bytes = group_bytes
+            measure.together_storages = group_storages
             measure.backward_overhead_bytes = max(0, peak - added)
             if handed is not None and handed < peak:
                 measure.handoff_overhead_bytes = handed - added

@@ -111,6 +111,9 @@ class _Storages:
         self.addable: set[int] = set()
         # the storages of the last backward's groups (ComputeNode.together) -> storage
         self.made: dict[int, int] = {}
+        # those storages that are one dense tensor passed to several gradients' parts: once one
+        # holds it alone, a contribution is added into it in place (not a slice of a bigger one)
+        self.whole: set[int] = set()
         self.memory = 0
         self._next = 0
 
@@ -147,6 +150,7 @@ class _Storages:
             self.shared.discard(storage)
             self.owned.discard(storage)
             self.addable.discard(storage)
+            self.whole.discard(storage)
 
     def held_alone(self, d: str) -> bool:
         """Whether each storage of gradient ``d`` (alive) has no holder but ``d`` (the engine
@@ -206,6 +210,8 @@ class _Storages:
                     else:
                         self._hold_new(d, i, self._group_size(node, group))
                         made[group] = parts[i]
+                        if group >= 0 and node.together_storages[group][1]:
+                            self.whole.add(parts[i])
                         if i in node.shared.get(d, ()) or group >= 0:
                             self.shared.add(parts[i])
                             if i in node.owned.get(d, ()) and group < 0:
@@ -220,6 +226,8 @@ class _Storages:
                     storage = made[group] = self._new(max(size, self._group_size(node, group)))
                     if group >= 0:
                         self.shared.add(storage)
+                        if node.together_storages[group][1]:
+                            self.whole.add(storage)
                 self.pending.append((d, i, storage))
         return self.memory - before
 
@@ -228,7 +236,7 @@ class _Storages:
         and where every part it goes to is uncounted (a graph's input gradient)."""
         if group < 0 or all(d in self.uncounted for d, groups in node.together.items() if group in groups):
             return 0
-        return node.together_bytes[group]
+        return node.together_storages[group][0]
 
     def contribute_first_run(self, node: ComputeNode, entry: FirstRun) -> int:
         """A contribution of ``node`` to a model input's gradient (``entry``, accumulating) as
@@ -287,8 +295,10 @@ class _Storages:
             # shared: old + grad, a new tensor; so for a model input's gradient, unless the
             # inspection saw a dense tensor of its own there (a view of a bigger tensor, an
             # expanded one, or a group's sum, otherwise)
-            if self.holders[held] > 1 or held in self.shared or \
-                    (d in self.first_run_sizes and held not in self.addable):
+            # (a group's one tensor, passed to several parts, is the gradient's alone once the others
+            # are gone: added into in place, as the executor's sink does)
+            if self.holders[held] > 1 or (held in self.shared and held not in self.whole) or \
+                    (d in self.first_run_sizes and held not in self.addable and held not in self.whole):
                 if self.holders[held] > 1:
                     lasting += self._part_size(d, i)
                 else:
