@@ -914,13 +914,13 @@ class _IncomingParts:
 
 def _storages_made(pending: list, part_of_sink: dict[int, tuple[str, int]], input_sinks: dict[str, GradSink],
                    incoming: _IncomingParts) -> dict[tuple, list[tuple[int, int, bool]]]:
-    """The storages (their bytes, and whether the contribution is all of it) of the contributions waiting in ``pending``
-    (:class:`rkgb.gradsink.GradientQueue`) that are not parts of the incoming gradient
-    (``incoming``): new tensors of the backward, or views of one (the slices of a `cat`'s
-    gradient). By (gradient, part) for the sinks of ``part_of_sink`` (sink -> its gradient's
-    part), by (model input, index of the contribution in the order its sink takes them) for
-    ``input_sinks``. Read while they wait: every one of them is alive, so that equal storages
-    are one."""
+    """The storages (an identity, their bytes, whether the contribution is all of it) of the
+    contributions waiting in ``pending`` (:class:`rkgb.gradsink.GradientQueue`) that are not
+    parts of the incoming gradient (``incoming``): new tensors of the backward, or views of one
+    (the slices of a `cat`'s gradient). By (gradient, part) for the sinks of ``part_of_sink``
+    (sink -> its gradient's part), by (model input, -1 - the index of the contribution in the
+    order its sink takes them) for ``input_sinks``. Read while they wait: every one of them is
+    alive, so that equal storages are one."""
     made: dict[tuple, list[tuple[int, int, bool]]] = {}
     inputs = {id(sink): name for name, sink in input_sinks.items()}
     by_input: dict[str, list] = {}
@@ -929,7 +929,8 @@ def _storages_made(pending: list, part_of_sink: dict[int, tuple[str, int]], inpu
             continue
         grad = entry[2]
         # (whole: the storage's one dense tensor itself, not a view of part of it)
-        whole = non_overlapping_and_dense(grad) and grad.numel() * grad.element_size() == grad.untyped_storage().nbytes()
+        whole = non_overlapping_and_dense(grad) and \
+            grad.numel() * grad.element_size() == grad.untyped_storage().nbytes()
         storage = (-1, 0, False) if incoming.part(grad) >= 0 else \
             (grad.untyped_storage()._cdata, grad.untyped_storage().nbytes(), whole)
         where = part_of_sink.get(id(entry[1]))
@@ -943,6 +944,30 @@ def _storages_made(pending: list, part_of_sink: dict[int, tuple[str, int]], inpu
         for k, (_, storage) in enumerate(entries):
             made[(name, -1 - k)] = [storage]
     return {where: storages for where, storages in made.items() if all(s[0] != -1 for s in storages)}
+
+
+def _shared_storages(made: dict[tuple, list[tuple[int, int, bool]]], single: set[tuple[str, int]]
+                     ) -> tuple[dict[tuple, int], list[tuple[int, bool]]]:
+    """The groups of the contributions of :func:`_storages_made` that share one storage: the
+    gradients' parts (and model inputs' contributions) whose one contribution is a view of a
+    storage that another part's is too, at least one of them a gradient's part (``single``: the
+    parts with one contribution). Returns (part -> group, (bytes, every member whole) of each
+    group's storage)."""
+    members: dict[int, list[tuple]] = {}
+    storage: dict[int, tuple[int, bool]] = {}
+    for where, storages in made.items():
+        if len(storages) != 1 or (where[1] >= 0 and where not in single):
+            continue  # (a part with several contributions)
+        key, size, whole = storages[0]
+        members.setdefault(key, []).append(where)
+        storage[key] = (size, whole and storage.get(key, (0, True))[1])
+    together: dict[tuple, int] = {}
+    groups: list[tuple[int, bool]] = []
+    for key, group in members.items():
+        if len(group) > 1 and any(i >= 0 for _, i in group):
+            together.update((member, len(groups)) for member in group)
+            groups.append(storage[key])
+    return together, groups
 
 
 class _AliasRecorder(list):
@@ -1257,25 +1282,11 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 peak, handed = 0, None
                 made_in = {}
             added = 0
-            # the parts whose one contribution is a view of a new storage that another part's is too
-            # (and the model inputs' contributions, (input, -1 - k): rkgb.cdgraph.FirstRun.together)
-            alone_in: dict[int, list[tuple]] = {}
-            storage_of: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, every member whole)
-            for where, storages in made_in.items():
-                d, i = where
-                if len(storages) != 1 or (i >= 0 and grad_leaves[d][i][1].calls - calls[d][i] != 1):
-                    continue  # (a part with several contributions)
-                key, size, whole = storages[0]
-                alone_in.setdefault(key, []).append(where)
-                storage_of[key] = (size, whole and storage_of.get(key, (0, True))[1])
-            together: dict[tuple, int] = {}
-            group_storages: list[tuple[int, bool]] = []  # each group's storage, counted once
-            for storage, members in alone_in.items():
-                if len(members) > 1 and any(i >= 0 for _, i in members):
-                    together.update((member, len(group_storages)) for member in members)
-                    group_storages.append(storage_of[storage])
+            together, group_storages = _shared_storages(
+                made_in, {(d, i) for d in targets for i, (_, sink) in enumerate(grad_leaves[d])
+                          if sink.calls - calls[d][i] == 1})
             for (input_name, k), group in together.items():
-                if k < 0:
+                if k < 0:  # (a model input's contribution: rkgb.cdgraph.FirstRun.together)
                     groups = measure.input_grad_together.setdefault(input_name, [])
                     groups.extend([-1] * (-k - len(groups)))
                     groups[-1 - k] = group
