@@ -652,16 +652,19 @@ class _Generator:
 
     def shared_parameters(self) -> list[str]:
         """Parameters whose gradient has several sources: the nodes that read them (directly or
-        through views), a view whose gradients are summed apart counting once."""
+        through views) and have a backward, a view whose gradients are summed apart counting
+        once (as ``rkgb.build.first_run_bytes`` counts their sums: a reader whose results get no
+        gradient, a layer feeding an unused batch norm, contributes nothing)."""
         readers = self.graph.readers()
         viewed = {chain[0].all_input_nodes[0].name for chain in self.parameter_views.values()}
         shared = []
         for name in self.graph.captured.parameters:
-            if name in self.aliased_parameters or len(readers.get(name, ())) < 2:
+            contributing = [reader for reader in readers.get(name, ()) if self.infos[reader].requires_grad]
+            if name in self.aliased_parameters or len(contributing) < 2:
                 continue
             if name in viewed:
                 direct, views = parameter_gradient_sources(self.graph, name, self.parameter_views)
-                if len(direct) + views < 2:
+                if len([reader for reader in direct if self.infos[reader].requires_grad]) + views < 2:
                     continue
             shared.append(name)
         return shared

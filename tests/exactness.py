@@ -18,7 +18,7 @@ import torch
 from rkgb.cdgraph import parameter_sums
 from rkgb.memory import measure_allocator_peak
 
-__all__ = ["bitwise_equal", "DotLoss", "LOSS_BYTES", "CheckReport", "check_training", "eager_peak"]
+__all__ = ["bitwise_equal", "DotLoss", "LOSS_BYTES", "CheckReport", "check_training", "eager_peak", "step_peak"]
 
 # the loss's own scalars (its dot products, their sum, the gradient of the sum), which the
 # test allocates beside the module's memory
@@ -88,11 +88,16 @@ def _step(module, sample, loss, result: dict):
 def eager_peak(model, sample, loss) -> int:
     """The allocator's peak of one eager training step (after a warm-up step), with the
     parameters' gradients allocated as after a first step."""
-    model = copy.deepcopy(model)
-    for p in model.parameters():
+    return step_peak(copy.deepcopy(model), sample, loss)
+
+
+def step_peak(module, sample, loss) -> int:
+    """The allocator's peak of one training step of ``module`` (eager, or a compiled one) after
+    a warm-up step, with the parameters' gradients allocated as after a first step."""
+    for p in module.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    step = _step(model, sample, loss, {})
+    step = _step(module, sample, loss, {})
     step()
     return measure_allocator_peak(step)
 

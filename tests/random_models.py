@@ -345,7 +345,8 @@ class CheckResult:
     measured_peak: int = 0
     predicted_peak: int = 0
     eager_peak: int = 0
-    no_recompute_peak: int = 0
+    no_recompute_peak: int = 0  # predicted
+    no_recompute_measured: int = 0  # the allocator's peak of a step of that plan
     notes: list[str] = field(default_factory=list)
 
 
@@ -373,8 +374,7 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
     solver's minimum is no more than that plan's peak. AssertionError otherwise, with the
     program's source.
     """
-    from exactness import DotLoss, eager_peak
-    from exactness import check_training
+    from exactness import DotLoss, check_training, eager_peak, step_peak
     from rockmate import CaptureError, Rockmate, UnsupportedOperation, min_budget
 
     options.setdefault("cost_model", "flops")
@@ -398,6 +398,7 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
         result.notes.append(str(error))
         return result
     result.no_recompute_peak, result.eager_peak = none.plan.predicted_peak, eager
+    result.no_recompute_measured = step_peak(none, (x,), loss)
     # the executor matches eager's memory but where an island's engine call holds more at once
     # than eager's engine does (a leaf read twice, merged islands): at most two tensors more
     tensor = max((o.size_bytes for n in none.graphs.simplified.nodes for o in n.outputs), default=0)

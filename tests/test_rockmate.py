@@ -323,6 +323,31 @@ def test_gradient_accumulation_is_exact(name):
         (peaks, predicted, budget)
 
 
+def test_gradient_accumulation_on_a_parameter_read_twice_with_one_contributing_reader():
+    """A tied linear whose second reader feeds an unused batch norm gets one contribution: no sum
+    apart (none is planned), added into .grad as eager's AccumulateGrad does, over steps without
+    zeroing. The executor took it for a shared parameter and refused the step ("its .grad holds
+    values ... which this plan does not count"); found by measuring fuzz programs' steps."""
+    from random_models import make
+    from random_models import program as written
+
+    program = written([("conv1d", [0]), ("linear_tied", [1]), ("conv2d", [0]), ("linear_tied", [3]),
+                       ("batch_norm_unused", [4]), ("add", [5, 5])], [0, 2], batch=2, seq=4, dim=16,
+                      dtype=torch.float64)
+    model, x = make(program)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        probe = copy.deepcopy(model)(x)
+    loss = DotLoss(probe)
+    compiled = Rockmate(model, x, 10**9, cost_model="flops")
+    assert not parameter_sums(compiled.plan.first_run_bytes)
+    for module in (reference, compiled):
+        for _ in range(STEPS):
+            loss(module(x)).backward()
+    for (path, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), path
+
+
 def test_without_grad_accumulation_the_sums_are_not_counted_and_accumulating_is_refused():
     """grad_accumulation=False: the plan leaves out the tied embedding's sum (a lower minimum);
     a step whose shared parameter's .grad holds values is a clear error, zeroed ones train."""
