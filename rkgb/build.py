@@ -395,9 +395,10 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
 def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, blocks: list[BlockInstance],
                         simplified: SimplifiedGraph) -> dict[str, tuple[FirstRun, ...]]:
     """``entries`` (:func:`first_run_bytes`) where a backward's contributions to a model input's
-    gradient are its own incoming gradient (``FirstRun.alias``) or dense tensors of their own
-    (``FirstRun.owned``), as the inspection saw them (``NodeMeasure.input_grad_aliases``,
-    ``input_grad_owned``), where it saw one per entry."""
+    gradient are its own incoming gradient (``FirstRun.alias``), dense tensors of their own
+    (``FirstRun.owned``) or storages its contributions to gradients' parts share
+    (``FirstRun.together``), as the inspection saw them (``NodeMeasure.input_grad_aliases``,
+    ``input_grad_owned``, ``input_grad_together``), where it saw one per entry."""
     result = dict(entries)
     representatives: dict[int, BlockInstance] = {}
     for block in blocks:

@@ -60,7 +60,8 @@ class MPSTemplate:
     def _write(self) -> tuple[str, str, list, dict[str, str]]:
         kept = [(v, v.lowBound, v.upBound) for v in self.budgets]
         for v in self.budgets:
-            v.lowBound, v.upBound = 0, None  # no bound line (MPS's default for a continuous column)
+            # no bound line (MPS's default for a continuous column); text() inserts their lines
+            v.lowBound, v.upBound = 0, None
         handle, path = tempfile.mkstemp(suffix=".mps")
         os.close(handle)
         try:
@@ -71,8 +72,6 @@ class MPSTemplate:
             os.remove(path)
             for v, low, up in kept:
                 v.lowBound, v.upBound = low, up
-        if any(v.lowBound not in (0, None) for v in self.budgets):
-            raise ValueError("MPSTemplate: a budget variable's lower bound must be 0")
         cut = text.index("\nBOUNDS\n") + len("\nBOUNDS\n")
         return text[:cut], text[cut:], list(variables), dict(names)
 

@@ -186,13 +186,13 @@ class _Storages:
     def compute(self, node: ComputeNode, outputs: list[str]) -> int:
         """Apply ``node``'s productions; return the new bytes it holds while it runs (those of
         the contributions that wait for :meth:`flush` included)."""
+        # the new storages that several parts' contributions are views of (ComputeNode.together),
+        # for contribute_first_run too
+        made = self.made = {}
         if node.kind is ComputeKind.FORWARD:
             return sum(self.add(d) for d in outputs)
         before = self.memory
         own = self.storage.get(data_name(node.target, DataKind.GRAD))
-        # the new storages that several parts' contributions are views of (ComputeNode.together),
-        # for contribute_first_run too
-        made = self.made = {}
         for d in outputs:
             count = len(self.graph.data(d).part_sizes)
             parts = self.storage.setdefault(d, [None] * count)
@@ -209,12 +209,11 @@ class _Storages:
                         self._hold(d, i, alias)
                     else:
                         self._hold_new(d, i, self._group_size(node, group))
-                        made[group] = parts[i]
-                        if group >= 0 and node.together_storages[group][1]:
-                            self.whole.add(parts[i])
-                        if i in node.shared.get(d, ()) or group >= 0:
+                        if group >= 0:
+                            self._made_for_group(node, group, parts[i])
+                        elif i in node.shared.get(d, ()):
                             self.shared.add(parts[i])
-                            if i in node.owned.get(d, ()) and group < 0:
+                            if i in node.owned.get(d, ()):
                                 self.owned.add(parts[i])
                     continue
                 # a contribution to a gradient alive: it waits for the flush
@@ -223,13 +222,20 @@ class _Storages:
                     storage = alias
                 else:
                     size = 0 if d in self.uncounted else self.graph.data(d).part_sizes[i]
-                    storage = made[group] = self._new(max(size, self._group_size(node, group)))
+                    storage = self._new(max(size, self._group_size(node, group)))
                     if group >= 0:
-                        self.shared.add(storage)
-                        if node.together_storages[group][1]:
-                            self.whole.add(storage)
+                        self._made_for_group(node, group, storage)
                 self.pending.append((d, i, storage))
         return self.memory - before
+
+    def _made_for_group(self, node: ComputeNode, group: int, storage: int) -> None:
+        """``storage`` is the new storage of ``node``'s group ``group`` (ComputeNode.together):
+        the other parts' contributions of the group hold it too (so nothing adds into it in place
+        while they do), and a whole tensor takes a later contribution in place once held alone."""
+        self.made[group] = storage
+        self.shared.add(storage)
+        if node.together_storages[group][1]:
+            self.whole.add(storage)
 
     def _group_size(self, node: ComputeNode, group: int) -> int:
         """The bytes of the new storage ``group`` of ``node`` (ComputeNode.together); 0 for -1
