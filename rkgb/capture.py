@@ -1133,9 +1133,11 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         # random ops whose results are unused still advance the generator in eager: the
         # export's dead-code elimination keeps them only when told that randomness is an effect
         with warnings.catch_warnings(), torch._inductor.config.patch(fallback_random=True), \
-                contextlib.redirect_stdout(printed), watch, functions, hooks:
+                contextlib.redirect_stdout(printed), functions, hooks:
             warnings.simplefilter("ignore", FutureWarning)
-            with _host_random_draws(model), _distribution_checks_off():
+            # (the watch follows the user's forward: not the retrace of run_decompositions, which
+            # it slowed by a tenth)
+            with watch, _host_random_draws(model), _distribution_checks_off():
                 exported = _export_along_eager_paths(model, args, printed)
             inplace = user_inplace_ops(exported.graph)
             without_grad = _no_grad_regions(exported.graph)
