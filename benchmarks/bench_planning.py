@@ -164,7 +164,8 @@ def main() -> None:
         print(f"{name:>7} {len(chain.blocks):>6} {len(chain.classes):>7} {max(len(b.nodes) for b in chain.blocks):>7} "
               f"{timings.get('capture', 0):>8.1f} {timings.get('inspect', 0):>8.1f} {sum(options.values()):>8.1f} "
               f"{timings.get('dp', 0):>6.2f} {total:>7.1f} {slowest[0][11:] + f' {slowest[1]:.1f} s':>36} "
-              f"{total_again:>9.1f} {again.plan.timings.get('capture', 0):>11.1f} {options_again:>11.2f} (cache: {second.hits} hits, {second.misses} misses)",
+              f"{total_again:>9.1f} {again.plan.timings.get('capture', 0):>11.1f} {options_again:>11.2f} "
+              f"(cache: {second.hits} hits, {second.misses} misses)",
               flush=True)
 
 
