@@ -212,6 +212,9 @@ class _Generator:
         # groups made in the readers' preludes whose views' backward sums (an expand): summed at
         # the size of the chain's last view, which the reads alias, and the chain's backward run
         # once on the sum (rkgb.simplify.summing_view_chain): group -> its chain of views
+        # (and splits of inputs read through their pieces, summed piece by piece: each piece
+        # read -> (the split, the piece's index))
+        self.split_pieces: dict[str, tuple[str, int]] = {}
         self.summing_groups = self._summing_groups()
         # views of trained parameters made once, whose backward sums, read by several nodes:
         # a group each, its sum through the views' backward into the parameter's gradient
@@ -361,7 +364,11 @@ class _Generator:
             if base not in self.sink_names:
                 continue
             self.skipped_lines |= {view.name for view in chain}
-            through[chain[-1].name] = (f"s.{base}", f"s.sink_{base}", base in self.input_names, group)
+            # (a split's: each piece read is an alias of that piece, summed as a group of its own)
+            ends = [piece for piece, (split, _) in self.split_pieces.items() if split == group] or [chain[-1].name]
+            self.skipped_lines |= set(ends)
+            for end in ends:
+                through[end] = (f"s.{base}", f"s.sink_{base}", base in self.input_names, group)
         if self.parameter_views:
             for line in node.lines:
                 for arg in tensor_args(line):
@@ -382,8 +389,9 @@ class _Generator:
                     base, sink, is_global, group = through[arg.name]
                     chain = self.summing_groups.get(group) or self.parameter_views[group]
                     alias = self._read_alias(arg.name)
+                    piece = f", piece={self.split_pieces[arg.name][1]}" if arg.name in self.split_pieces else ""
                     w(f"{alias} = use({base}, {sink}, ({-self.position[line.name]}, {k}), {is_global}, {group!r}, "
-                      f"through={self.view_function(group, chain)})")
+                      f"through={self.view_function(group, chain)}{piece})")
                     sources.append(alias)
                 elif arg.name in remade:
                     view = lines_by_name[arg.name]
@@ -434,7 +442,12 @@ class _Generator:
         (:func:`rkgb.simplify.summing_view_chain`), where every reader makes the whole chain in
         its prelude and reads its last view alone (not a split's pieces)."""
         inputs = {name for name in self.input_names if name in self.sink_names}
-        groups = {chain[0].name: chain for _, chain in summed_input_views(self.graph, inputs).values()}
+        groups: dict[str, list[torch.fx.Node]] = {}
+        for view, (_, chain) in summed_input_views(self.graph, inputs).items():
+            if chain[0].target in SPLIT_TARGETS:  # a piece of a split: the group is the split's
+                self.split_pieces[view] = (chain[0].name, chain[-1].args[1])
+                chain = chain[:1]
+            groups[chain[0].name] = chain
         preludes = [(node, {line.name for line in node.prelude}) for node in self.graph.nodes]
         for view in self.graph.grouped_views:
             readers = [(node, names) for node, names in preludes if view in names]

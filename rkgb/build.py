@@ -317,6 +317,9 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
             continue
         size = value.numel() * value.element_size()
         grad = FirstRun(input_grad_key(name), size, accumulates=True)
+        # (the one a summed view's group makes when it is delivered, after its readers' own: the
+        # view's backward makes a dense tensor of its own, a later contribution added into it)
+        joined = FirstRun(input_grad_key(name), size, accumulates=True, owned=True, after_flush=True)
         # views of the input made in nodes' preludes: the executor sums each one's gradient
         # apart (exec.codegen, view groups), as eager's view buffer does, until the view's place
         # in the backward (after other contributions to the input's gradient, maybe), where it
@@ -329,6 +332,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         # view's place, after every reader's backward: counted from the backward of the first
         # reader made (the last to run where nothing is recomputed)
         summed = summed_input_views(graph, {name})
+        roots: dict[str, list] = {}  # the summed groups (their first views) -> their readers
         summed_lines = {line.name for _, chain in summed.values() for line in chain}
         for view, (_, chain) in summed.items():
             view_grad = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True,
@@ -337,8 +341,12 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
             for node in view_readers:
                 result.setdefault(cname(node.name, ComputeKind.BACKWARD), []).extend(
                     [view_grad] * _contributions(node, view, graph))
-            first = min(view_readers, key=lambda node: position[node.main.name])
-            result.setdefault(cname(first.name, ComputeKind.BACKWARD), []).append(grad)
+            # (once per group, a split's pieces one: the groups join one after the other, each
+            # view's backward making an input-sized tensor, added and freed before the next one)
+            roots.setdefault(chain[0].name, []).extend(view_readers)
+        for group_readers in roots.values():
+            first = min(group_readers, key=lambda node: position[node.main.name])
+            result.setdefault(cname(first.name, ComputeKind.BACKWARD), []).append(joined)
         for view, view_readers in graph.input_view_readers(name).items():
             if view in summed_lines:
                 continue

@@ -427,6 +427,9 @@ class FirstRun:
     once nothing else holds it, as eager's buffer does; else the sum is a new tensor.
     ``together``: that contribution is (a view of) one of the node's new storages that its
     contributions to gradients' parts are views of too (:attr:`ComputeNode.together`; -1: none).
+    ``after_flush``: that contribution is made once the node's own contributions have joined
+    their gradients, as the next compute node starts (the backward of a view group summed at
+    the view's size, run on the group's sum when it is delivered: ``rkgb.build``).
     """
 
     key: str
@@ -439,6 +442,7 @@ class FirstRun:
     alias: int = -1
     owned: bool = False
     together: int = -1
+    after_flush: bool = False
 
 
 # the keys of first-run gradients that other phases look up (rkgb.build makes them)

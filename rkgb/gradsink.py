@@ -241,7 +241,8 @@ class GradientQueue:
         self.throughs: dict[tuple[int, str], tuple[torch.Tensor, object]] = {}
 
     def alias(self, leaf: torch.Tensor, sink: GradSink, rank: tuple[int, int], is_global: bool = False,
-              group: str | None = None, pieces: tuple | None = None, through=None) -> torch.Tensor:
+              group: str | None = None, pieces: tuple | None = None, through=None,
+              piece: int | None = None) -> torch.Tensor:
         """A leaf sharing ``leaf``'s data whose gradient goes to ``sink`` at :meth:`flush`.
 
         ``is_global``: ``leaf`` is a model input, alive through the step: saved tensors keep the
@@ -260,10 +261,17 @@ class GradientQueue:
         making it from ``leaf``: the alias is the view itself, its contributions are summed at
         the view's size, and the view's backward runs once on the sum when it joins the sink
         (:meth:`_join`), as eager's (summing each island's reduced contribution rounds
-        otherwise: Perceiver's ``latents.expand(batch, ...)``)."""
+        otherwise: Perceiver's ``latents.expand(batch, ...)``), or where the view is smaller
+        than ``leaf`` (a slice: each island would make a leaf-sized gradient). ``piece``: with a
+        ``through`` that is a split, the read is that piece alone: its contributions are summed
+        in a group of their own (``"<group>[<piece>]"``, a slot of eager's split node), and
+        the split's backward runs once on all its pieces' sums when the group is delivered."""
         if through is not None:
             self.throughs[(id(sink), group)] = (leaf, through)
-            alias = through(leaf.detach()).requires_grad_()
+            alias = through(leaf.detach())
+            if piece is not None:
+                alias, group = alias[piece], f"{group}[{piece}]"
+            alias = alias.requires_grad_()
         else:
             alias = leaf.detach().requires_grad_()
         pending = self.pending
@@ -309,7 +317,7 @@ class GradientQueue:
             if all(entry[0] is not None for entry in entries):
                 entries.sort(key=lambda entry: entry[0])
             for _, sink, grad, group, pieces in entries:
-                if group is None or group in self.delivered:
+                if group is None or _split_group(group)[0] in self.delivered:
                     self._join(sink, group, grad)
                     continue
                 key = (id(sink), group)
@@ -332,27 +340,56 @@ class GradientQueue:
         view has run its backward): the group's sum joins its sink."""
         # its contributions still waiting (a merged island's engine call made them, with
         # others that wait for the next flush): eager's view backward runs on all of them
-        mine = [entry for entry in self.pending if entry[3] in (group, group + PIECES)]
-        if mine:
-            self.pending[:] = [entry for entry in self.pending if entry[3] not in (group, group + PIECES)]
-            self._hand_over(mine)
-            del mine
+        def mine(name: str | None) -> bool:
+            return name is not None and (name == group + PIECES or _split_group(name)[0] == group)
+
+        waiting = [entry for entry in self.pending if mine(entry[3])]
+        if waiting:
+            self.pending[:] = [entry for entry in self.pending if not mine(entry[3])]
+            self._hand_over(waiting)
+            del waiting
         self.delivered.add(group)
         self.delivered.add(group + PIECES)
         self._fold_pieces(lambda name: name == group + PIECES)
-        for key in [key for key in self.groups if key[1] == group]:
-            sink, total, _ = self.groups.pop(key)
-            self._join(sink, group, total)
+        self._join_groups([key for key in self.groups if _split_group(key[1])[0] == group])
 
-    def _join(self, sink, group: str | None, grad: torch.Tensor) -> None:
+    def _join_groups(self, keys: list) -> None:
+        """The groups of ``keys`` join their sinks, in order; the pieces of one split together
+        (``alias``'s ``piece``), once, where the first of them is."""
+        joined: set[tuple[int, str]] = set()
+        for key in keys:
+            group, piece = _split_group(key[1])
+            if piece is None:
+                sink, total, _ = self.groups.pop(key)
+                self._join(sink, group, total)
+                continue
+            if (key[0], group) in joined:
+                continue
+            joined.add((key[0], group))
+            pieces = {}
+            for other in [other for other in keys if other[0] == key[0] and _split_group(other[1])[0] == group]:
+                sink, pieces[_split_group(other[1])[1]], _ = self.groups.pop(other)
+            self._join(sink, group, pieces)
+            del pieces
+
+    def _join(self, sink, group: str | None, grad) -> None:
         """``grad`` (a group's sum, or a contribution) joins ``sink``; through the view's
-        backward where the group is summed at the view's size (``alias``'s ``through``)."""
+        backward where the group is summed at the view's size (``alias``'s ``through``). For a
+        split's pieces: ``grad`` is ``{piece: its sum}`` (or a contribution of one piece, whose
+        group is ``"<group>[<piece>]"``), and the split's backward makes the pieces not there
+        zeros, as eager's split node does."""
+        if group is not None and not isinstance(grad, dict):
+            name, piece = _split_group(group)
+            if piece is not None:
+                group, grad = name, {piece: grad}
         through = self.throughs.get((id(sink), group)) if group is not None else None
         if through is not None:
             leaf, view = through
             base = leaf.detach().requires_grad_()
             with torch.enable_grad():
                 made = view(base)
+            if isinstance(grad, dict):
+                made, grad = [made[piece] for piece in sorted(grad)], [grad[piece] for piece in sorted(grad)]
             (grad,) = torch.autograd.grad(made, base, grad)
             del made, base
         sink((grad,))
@@ -379,11 +416,18 @@ class GradientQueue:
         """The backward ends: the groups not delivered yet (views made before every node that
         has a backward) join their sinks."""
         self._fold_pieces(lambda name: name.endswith(PIECES))
-        groups, self.groups = self.groups, {}
         self.delivered = set()
-        for (_, group), (sink, total, _) in groups.items():
-            self._join(sink, group, total)
+        self._join_groups(list(self.groups))
         self.throughs = {}
+
+
+def _split_group(name: str | None) -> tuple[str | None, int | None]:
+    """``(the split's group, the piece)`` for a piece's group name ``"<group>[<piece>]"``
+    (:meth:`GradientQueue.alias`), ``(name, None)`` for any other."""
+    if name is None or not name.endswith("]") or "[" not in name:
+        return name, None
+    group, piece = name[:-1].rsplit("[", 1)
+    return group, int(piece)
 
 
 class _Handoff(torch.autograd.Function):

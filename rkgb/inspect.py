@@ -1133,7 +1133,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 result["exported"] = values
                 result["outputs"] = _outputs_of(node, env)
                 for line in lines:  # the executor keeps only the exported tensors (as leaves)
-                    env.pop(line.name, None)
+                    if line.name not in given:  # (a view summed at its size: every reader's leaf)
+                        env.pop(line.name, None)
 
             peak = meter.measure(forward_with_grad)
             for value, output in zip(result["outputs"], node.outputs):

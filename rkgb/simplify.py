@@ -1008,6 +1008,34 @@ def summing_view_chain(root: torch.fx.Node) -> list[torch.fx.Node] | None:
     return chain[: summing[-1] + 1] if summing else None
 
 
+def input_view_chain(root: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The chain of views from ``root`` (a view of a model input made in each reader's prelude)
+    whose gradients the executor sums at the size of its last view: a summing chain
+    (:func:`summing_view_chain`), or else the whole chain of views from ``root`` (each the one
+    user of the one before) where its last view has fewer elements than the input (a slice, a
+    ``select``: its backward places the gradient into zeros of the input's size). None otherwise.
+
+    Eager's buffer of such a view holds the view's gradient, and its backward makes the
+    input-sized tensor once, when it runs. Each reading island running the chain's backward
+    apart would make one input-sized tensor per read, all held until the view's place in the
+    backward (``cat([x[:, :4], x[:, 4:]])`` held two: 1.2x eager's peak, fuzz seed 135)."""
+    summing = summing_view_chain(root)
+    if summing is not None:
+        return summing
+    chain = [root]
+    while True:
+        users = list(chain[-1].users)
+        if len(users) != 1 or users[0].op != "call_function" or classify(users[0]) is not OpKind.VIEW \
+                or len(users[0].all_input_nodes) != 1:
+            break
+        chain.append(users[0])
+    base = root.all_input_nodes[0].meta.get("val") if len(root.all_input_nodes) == 1 else None
+    last = chain[-1].meta.get("val")
+    if not isinstance(base, torch.Tensor) or not isinstance(last, torch.Tensor) or last.numel() >= base.numel():
+        return None
+    return chain
+
+
 def summed_parameter_views(graph: "SimplifiedGraph", trained: set[str] | frozenset[str]) -> dict[str, list[torch.fx.Node]]:
     """Views of a trained parameter made once (``graph.global_views``) whose backward sums, that
     several nodes read: the view's fx name -> the chain of views from the parameter to it
@@ -1038,22 +1066,56 @@ def summed_input_views(graph: "SimplifiedGraph", requiring_grad: set[str] | froz
                        ) -> dict[str, tuple[str, list[torch.fx.Node]]]:
     """The view groups of model inputs that require grad (views made in their readers'
     preludes, ``SimplifiedGraph.input_view_readers``) whose chain of views sums in its backward
-    (:func:`summing_view_chain`), made whole in every reader's prelude and not read through a
-    split: the chain's last view -> (the input, the chain). The executor sums their gradients at
-    the view's size (``exec.codegen``); the inspection reads that view as a leaf of its own."""
+    or makes a smaller tensor (:func:`input_view_chain`), made whole in every reader's prelude and
+    not read through a split (and, for a smaller one, made before one of its readers: made after
+    them all, its backward runs first, and each read's contribution joins the input's gradient
+    at once, ``rkgb.build.first_run_bytes``): the chain's last view -> (the input, the chain).
+    The executor sums their gradients at the view's size (``exec.codegen``); the inspection
+    reads that view as a leaf of its own."""
     result: dict[str, tuple[str, list[torch.fx.Node]]] = {}
     preludes = [(node, {line.name for line in node.prelude}) for node in graph.nodes]
+    position = {line.name: i for i, line in enumerate(graph.captured.graph.nodes)}
     for name in requiring_grad:
         for root in graph.input_view_readers(name):
             line = next(line for node in graph.nodes for line in node.prelude if line.name == root)
-            chain = summing_view_chain(line)
-            if chain is None or not isinstance(chain[-1].meta.get("val"), torch.Tensor):
+            if line.target in SPLIT_TARGETS:
+                result.update(_summed_pieces(graph, name, line, preludes, position))
+                continue
+            chain = input_view_chain(line)
+            if chain is None or not isinstance(chain[-1].meta.get("val"), torch.Tensor) \
+                    or any(view.name in graph.outputs for view in chain):
                 continue
             readers = [(node, names) for node, names in preludes if root in names]
+            if summing_view_chain(line) is None and all(position[root] > position[node.main.name]
+                                                        for node, _ in readers):
+                continue  # made after its readers: its place in the backward is before theirs
             if all(all(view.name in names for view in chain) and split_of_view(line, node.lines) is None
                    for node, names in readers):
                 result[chain[-1].name] = (name, chain)
     return result
+
+
+def _summed_pieces(graph: "SimplifiedGraph", name: str, split: torch.fx.Node, preludes: list, position: dict
+                   ) -> dict[str, tuple[str, list[torch.fx.Node]]]:
+    """:func:`summed_input_views` for a split of input ``name`` (``x.chunk(2)``) made in its
+    readers' preludes, each of which reads it through pieces (``getitem`` lines) made in its
+    prelude alone: each piece read -> (the input, [the split, the piece]), none where a piece is
+    returned or the split is made after all its readers. Eager's split node sums each piece's
+    gradients in a slot of the piece's size, and its backward makes one input-sized tensor, the
+    pieces no reader read as zeros; the executor sums the pieces as groups of their own and runs
+    the split's backward once on them all (``rkgb.gradsink.GradientQueue.deliver``), where each
+    reading island would make an input-sized tensor of its own."""
+    readers = [(node, names) for node, names in preludes if split.name in names]
+    pieces: dict[str, torch.fx.Node] = {}
+    for node, names in readers:
+        users = [line for line in node.lines if split in line.all_input_nodes]
+        if any(line.target is not operator.getitem or line.name not in names for line in users):
+            return {}
+        pieces.update((line.name, line) for line in users)
+    if not pieces or any(piece in graph.outputs for piece in pieces) or split.name in graph.outputs \
+            or all(position[split.name] > position[node.main.name] for node, _ in readers):
+        return {}
+    return {piece: (name, [split, line]) for piece, line in pieces.items()}
 
 
 def parameter_gradient_sources(graph: "SimplifiedGraph", name: str, summed: dict[str, list[torch.fx.Node]]

@@ -333,6 +333,19 @@ def _flush(storages: _Storages, kept: int, waiting: list[int]) -> int:
     return peak
 
 
+def _contribute_deferred(storages: _Storages, kept: int, waiting: list[int], deferred: list,
+                         first_runs: set[str]) -> int:
+    """The contributions of ``deferred`` (``FirstRun.after_flush``, emptied) made and joined
+    one after the other, once the others have joined; return the peak while they are."""
+    peak = 0
+    for node, entry in deferred:
+        storages.contribute_first_run(node, entry)
+        first_runs.add(entry.key)
+        peak = max(peak, _flush(storages, kept, waiting))
+    deferred.clear()
+    return peak
+
+
 def phantoms_of(graph: CDGraph, node: ComputeNode) -> str | None:
     """Name of the phantoms data node of a forward or backward node, or None if it has none."""
     name = data_name(node.target, DataKind.PHANTOMS)
@@ -457,6 +470,7 @@ def simulate(
             if entry.until is not None and entry not in released_by.get(entry.until, []):
                 released_by.setdefault(entry.until, []).append(entry)
     waiting: list[int] = []  # contributions to first-run gradients waiting for the next compute
+    deferred: list = []  # (node, entry) of contributions made after the next flush (after_flush)
     storages = _Storages(graph, inputs)
     for d in sorted(alive):
         storages.add(d)
@@ -507,6 +521,8 @@ def simulate(
             flushed = storages.flush(only=data_name(node.target, DataKind.GRAD)) + kept + sum(waiting)
         else:
             flushed = _flush(storages, kept, waiting)
+        if deferred:
+            flushed = max(flushed, _contribute_deferred(storages, kept, waiting, deferred, first_runs))
         # then the view groups whose place this is join their bases' gradients (exec.codegen's
         # deliveries): a new sum (the base's gradient may be held elsewhere: the loss's) while
         # the group's own sum and the old gradient live
@@ -572,6 +588,9 @@ def simulate(
         added = storages.compute(node, outputs)
         again = 0
         for entry in (first_run_bytes or {}).get(node.name, ()):
+            if entry.after_flush:  # made after this node's contributions join (the next flush)
+                deferred.append((node, entry))
+                continue
             if entry.accumulates and views_key_input(entry.key) is None:  # a model input's gradient
                 added += storages.contribute_first_run(node, entry)
                 first_runs.add(entry.key)
@@ -612,6 +631,8 @@ def simulate(
             if phantoms is not None:
                 consumed.add(phantoms)
     flushed = _flush(storages, kept, waiting)
+    if deferred:
+        flushed = max(flushed, _contribute_deferred(storages, kept, waiting, deferred, first_runs))
     # the sum of an input's view group still open when the backward ends (input_views_key)
     # joins the input's gradient then: a new tensor where that gradient exists already
     # (exec.codegen's last group delivery, rkgb.gradsink.accumulate)
