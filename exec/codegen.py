@@ -209,9 +209,10 @@ class _Generator:
         # nodes made after it (rkgb.build.first_run_bytes counts its sum meanwhile)
         self.view_groups |= {line.name for line in graph.global_views
                              if line.name in graph.outputs and self._input_of_view(line) is not None}
-        # groups made in the readers' preludes whose views' backward sums (an expand): summed at
-        # the size of the chain's last view, which the reads alias, and the chain's backward run
-        # once on the sum (rkgb.simplify.summing_view_chain): group -> its chain of views
+        # groups made in the readers' preludes whose views' backward sums (an expand), or of
+        # inputs' views smaller than the input (a slice, a split's pieces): summed at the size of
+        # the chain's last view, which the reads alias, and the chain's backward run once on the
+        # sum (rkgb.simplify.summed_input_views): group -> its chain of views
         # (and splits of inputs read through their pieces, summed piece by piece: each piece
         # read -> (the split, the piece's index))
         self.split_pieces: dict[str, tuple[str, int]] = {}
@@ -440,7 +441,9 @@ class _Generator:
     def _summing_groups(self) -> dict[str, list[torch.fx.Node]]:
         """The prelude view groups whose chain of views sums in its backward
         (:func:`rkgb.simplify.summing_view_chain`), where every reader makes the whole chain in
-        its prelude and reads its last view alone (not a split's pieces)."""
+        its prelude and reads its last view alone (not a split's pieces), and those of model
+        inputs of :func:`rkgb.simplify.summed_input_views` (a split's group is the split alone,
+        its pieces read recorded in ``split_pieces``)."""
         inputs = {name for name in self.input_names if name in self.sink_names}
         groups: dict[str, list[torch.fx.Node]] = {}
         for view, (_, chain) in summed_input_views(self.graph, inputs).items():

@@ -326,8 +326,9 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         # joins the input's
         grouped: dict[str, list[str]] = {}
         returned: dict[str, int] = {}
-        # views whose backward sums (an expand's): the executor sums their gradients at the view's
-        # size, as a model input's gradient of their own (the inspection reads them as leaves),
+        # views whose backward sums (an expand's) or that are smaller than the input (a slice, a
+        # split's pieces: rkgb.simplify.summed_input_views): the executor sums their gradients at
+        # the view's size, as a model input's gradient of their own (the inspection reads them as leaves),
         # and runs the views' backward on the sum, which joins the input's gradient at the
         # view's place, after every reader's backward: counted from the backward of the first
         # reader made (the last to run where nothing is recomputed)

@@ -986,6 +986,18 @@ def split_of_view(view: torch.fx.Node, lines) -> torch.fx.Node | None:
 SUMMING_VIEW_TARGETS = (torch.ops.aten.expand.default, torch.ops.aten.unfold.default)
 
 
+def _views_from(root: torch.fx.Node) -> list[torch.fx.Node]:
+    """``root`` and the views after it, each the one user of the one before."""
+    chain = [root]
+    while True:
+        users = list(chain[-1].users)
+        if len(users) != 1 or users[0].op != "call_function" or classify(users[0]) is not OpKind.VIEW \
+                or len(users[0].all_input_nodes) != 1:
+            break
+        chain.append(users[0])
+    return chain
+
+
 def summing_view_chain(root: torch.fx.Node) -> list[torch.fx.Node] | None:
     """The views from ``root`` (a view of one tensor) on, each the one user of the one before,
     up to the last whose backward sums (:data:`SUMMING_VIEW_TARGETS`): ``x[None].expand(4, -1,
@@ -997,13 +1009,7 @@ def summing_view_chain(root: torch.fx.Node) -> list[torch.fx.Node] | None:
     size of its last view, and runs the chain's backward once on the sum
     (:meth:`rkgb.gradsink.GradientQueue.alias`'s ``through``), as eager does; the plan counts
     that sum at the view's size (``rkgb.build.first_run_bytes``)."""
-    chain = [root]
-    while True:
-        users = list(chain[-1].users)
-        if len(users) != 1 or users[0].op != "call_function" or classify(users[0]) is not OpKind.VIEW \
-                or len(users[0].all_input_nodes) != 1:
-            break
-        chain.append(users[0])
+    chain = _views_from(root)
     summing = [i for i, line in enumerate(chain) if line.target in SUMMING_VIEW_TARGETS]
     return chain[: summing[-1] + 1] if summing else None
 
@@ -1022,13 +1028,7 @@ def input_view_chain(root: torch.fx.Node) -> list[torch.fx.Node] | None:
     summing = summing_view_chain(root)
     if summing is not None:
         return summing
-    chain = [root]
-    while True:
-        users = list(chain[-1].users)
-        if len(users) != 1 or users[0].op != "call_function" or classify(users[0]) is not OpKind.VIEW \
-                or len(users[0].all_input_nodes) != 1:
-            break
-        chain.append(users[0])
+    chain = _views_from(root)
     base = root.all_input_nodes[0].meta.get("val") if len(root.all_input_nodes) == 1 else None
     last = chain[-1].meta.get("val")
     if not isinstance(base, torch.Tensor) or not isinstance(last, torch.Tensor) or last.numel() >= base.numel():
