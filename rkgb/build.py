@@ -317,9 +317,6 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
             continue
         size = value.numel() * value.element_size()
         grad = FirstRun(input_grad_key(name), size, accumulates=True)
-        # (the one a summed view's group makes when it is delivered, after its readers' own: the
-        # view's backward makes a dense tensor of its own, a later contribution added into it)
-        joined = FirstRun(input_grad_key(name), size, accumulates=True, owned=True, after_flush=True)
         # views of the input made in nodes' preludes: the executor sums each one's gradient
         # apart (exec.codegen, view groups), as eager's view buffer does, until the view's place
         # in the backward (after other contributions to the input's gradient, maybe), where it
@@ -345,7 +342,12 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
             # (once per group, a split's pieces one: the groups join one after the other, each
             # view's backward making an input-sized tensor, added and freed before the next one)
             roots.setdefault(chain[0].name, []).extend(view_readers)
-        for group_readers in roots.values():
+        for root, group_readers in roots.items():
+            # (made where the group is delivered, its readers' contributions there: the view's
+            # backward makes a dense tensor of its own, a later contribution added into it)
+            joined = FirstRun(input_grad_key(name), size, accumulates=True, owned=True, after_flush=True,
+                              delivery=delivery(root), releases=tuple(
+                                  input_grad_key(view) for view, (_, chain) in summed.items() if chain[0].name == root))
             first = min(group_readers, key=lambda node: position[node.main.name])
             result.setdefault(cname(first.name, ComputeKind.BACKWARD), []).append(joined)
         for view, view_readers in graph.input_view_readers(name).items():

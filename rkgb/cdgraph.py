@@ -427,9 +427,11 @@ class FirstRun:
     once nothing else holds it, as eager's buffer does; else the sum is a new tensor.
     ``together``: that contribution is (a view of) one of the node's new storages that its
     contributions to gradients' parts are views of too (:attr:`ComputeNode.together`; -1: none).
-    ``after_flush``: that contribution is made once the node's own contributions have joined
-    their gradients, as the next compute node starts (the backward of a view group summed at
-    the view's size, run on the group's sum when it is delivered: ``rkgb.build``).
+    ``after_flush``: that contribution is made later, when the compute node named by
+    ``delivery`` starts (None: when the backward ends), the node's own contributions joined by
+    then: the backward of a view group summed at the view's size, run on the group's sum where
+    the group is delivered (``rkgb.build``), while the group's sum is still there; that sum (the
+    keys ``releases``) is freed once it has joined.
     """
 
     key: str
@@ -443,6 +445,8 @@ class FirstRun:
     owned: bool = False
     together: int = -1
     after_flush: bool = False
+    delivery: str | None = None
+    releases: tuple[str, ...] = ()
 
 
 # the keys of first-run gradients that other phases look up (rkgb.build makes them)

@@ -335,14 +335,17 @@ def _flush(storages: _Storages, kept: int, waiting: list[int]) -> int:
 
 def _contribute_deferred(storages: _Storages, kept: int, waiting: list[int], deferred: list,
                          first_runs: set[str]) -> int:
-    """The contributions of ``deferred`` (``FirstRun.after_flush``, emptied) made and joined
-    one after the other, once the others have joined; return the peak while they are."""
+    """The contributions of ``deferred`` (``FirstRun.after_flush``: (node, entry) pairs) made
+    and joined one after the other, once the others have joined; return the peak while they are."""
     peak = 0
     for node, entry in deferred:
         storages.contribute_first_run(node, entry)
         first_runs.add(entry.key)
         peak = max(peak, _flush(storages, kept, waiting))
-    deferred.clear()
+        for key in entry.releases:  # the group's sum, joined
+            if key in first_runs:
+                first_runs.discard(key)
+                storages.release_first_run(FirstRun(key, 0))
     return peak
 
 
@@ -470,7 +473,13 @@ def simulate(
             if entry.until is not None and entry not in released_by.get(entry.until, []):
                 released_by.setdefault(entry.until, []).append(entry)
     waiting: list[int] = []  # contributions to first-run gradients waiting for the next compute
-    deferred: list = []  # (node, entry) of contributions made after the next flush (after_flush)
+    # the contributions made where view groups are delivered (FirstRun.after_flush): the compute
+    # node before which they are (None: the backward's end) -> (node, entry)
+    deliveries: dict[str | None, list] = {}
+    for name, entries in (first_run_bytes or {}).items():
+        for entry in entries:
+            if entry.after_flush and graph.has_compute(name):
+                deliveries.setdefault(entry.delivery, []).append((graph.compute(name), entry))
     storages = _Storages(graph, inputs)
     for d in sorted(alive):
         storages.add(d)
@@ -521,8 +530,9 @@ def simulate(
             flushed = storages.flush(only=data_name(node.target, DataKind.GRAD)) + kept + sum(waiting)
         else:
             flushed = _flush(storages, kept, waiting)
-        if deferred:
-            flushed = max(flushed, _contribute_deferred(storages, kept, waiting, deferred, first_runs))
+        if node.name in deliveries:  # view groups' backwards, while their sums are there
+            flushed = max(flushed, _contribute_deferred(storages, kept, waiting, deliveries.pop(node.name),
+                                                        first_runs))
         # then the view groups whose place this is join their bases' gradients (exec.codegen's
         # deliveries): a new sum (the base's gradient may be held elsewhere: the loss's) while
         # the group's own sum and the old gradient live
@@ -588,8 +598,7 @@ def simulate(
         added = storages.compute(node, outputs)
         again = 0
         for entry in (first_run_bytes or {}).get(node.name, ()):
-            if entry.after_flush:  # made after this node's contributions join (the next flush)
-                deferred.append((node, entry))
+            if entry.after_flush:  # made where its group is delivered (deliveries)
                 continue
             if entry.accumulates and views_key_input(entry.key) is None:  # a model input's gradient
                 added += storages.contribute_first_run(node, entry)
@@ -631,8 +640,9 @@ def simulate(
             if phantoms is not None:
                 consumed.add(phantoms)
     flushed = _flush(storages, kept, waiting)
-    if deferred:
-        flushed = max(flushed, _contribute_deferred(storages, kept, waiting, deferred, first_runs))
+    left = [pair for pairs in deliveries.values() for pair in pairs]  # (at the end, the backward's)
+    if left and after_loss:
+        flushed = max(flushed, _contribute_deferred(storages, kept, waiting, left, first_runs))
     # the sum of an input's view group still open when the backward ends (input_views_key)
     # joins the input's gradient then: a new tensor where that gradient exists already
     # (exec.codegen's last group delivery, rkgb.gradsink.accumulate)
