@@ -360,8 +360,10 @@ class GradientQueue:
         for key in keys:
             group, piece = _split_group(key[1])
             if piece is None:
-                sink, total, _ = self.groups.pop(key)
-                self._join(sink, group, total)
+                # (the sum passed on alone: _join lets go of it before it joins, as eager's
+                # engine frees a node's input buffer before adding its outputs into the next)
+                sink = self.groups[key][0]
+                self._join(sink, group, self.groups.pop(key)[1])
                 continue
             if (key[0], group) in joined:
                 continue
@@ -388,8 +390,12 @@ class GradientQueue:
             base = leaf.detach().requires_grad_()
             with torch.enable_grad():
                 made = view(base)
-            if isinstance(grad, dict):
-                made, grad = [made[piece] for piece in sorted(grad)], [grad[piece] for piece in sorted(grad)]
+            if isinstance(grad, dict):  # (emptied: the caller's dict holds the sums no more)
+                read = sorted(grad)
+                made, grad = [made[piece] for piece in read], [grad.pop(piece) for piece in read]
+            # the group's sum is freed before the result joins the sink (the caller holds it no
+            # more): eager's engine frees the view node's input buffer before adding its output
+            # into the next buffer (a new sum there, where that buffer is not the input's alone)
             (grad,) = torch.autograd.grad(made, base, grad)
             del made, base
         sink((grad,))

@@ -341,11 +341,14 @@ def _contribute_deferred(storages: _Storages, kept: int, waiting: list[int], def
     for node, entry in deferred:
         storages.contribute_first_run(node, entry)
         first_runs.add(entry.key)
-        peak = max(peak, _flush(storages, kept, waiting))
-        for key in entry.releases:  # the group's sum, joined
+        # the view's backward made its result beside the group's sum, which is freed before the
+        # result joins the gradient (rkgb.gradsink.GradientQueue._join)
+        peak = max(peak, storages.memory + kept + sum(waiting))
+        for key in entry.releases:
             if key in first_runs:
                 first_runs.discard(key)
                 storages.release_first_run(FirstRun(key, 0))
+        peak = max(peak, _flush(storages, kept, waiting))
     return peak
 
 
