@@ -192,10 +192,18 @@ class _VariationalAutoencoder(nn.Module):
 def test_a_vae_with_torch_distributions(fraction):
     # the distributions' argument checks (``if not (scale > 0).all(): raise``) failed to capture
     # (data-dependent); captured with them off, the same values; rsample's draw replayed
-    torch.manual_seed(0)
-    assert torch.distributions.Distribution._validate_args  # (the user's default, restored)
-    assert check_training(_VariationalAutoencoder(), _inputs((64, 16)), fraction) is not None
-    assert torch.distributions.Distribution._validate_args
+    # (checks on, as by default: torch._dynamo turns them off for the whole process the first
+    # time it runs, which an earlier test in the same worker may have done)
+    from torch.distributions import Distribution
+
+    before = Distribution._validate_args
+    Distribution.set_default_validate_args(True)
+    try:
+        torch.manual_seed(0)
+        assert check_training(_VariationalAutoencoder(), _inputs((64, 16)), fraction) is not None
+        assert Distribution._validate_args  # (the user's default, restored)
+    finally:
+        Distribution.set_default_validate_args(before)
 
 
 def _frozen_batch_norm_net() -> nn.Module:
