@@ -685,6 +685,29 @@ class _Generator:
             shared.append(name)
         return shared
 
+    def restore_points(self, shared: list[str]) -> dict[str | None, list[str]]:
+        """Where the sum of each ``shared`` parameter's contributions joins its old ``.grad``
+        (``exec.runtime._restore_grad``): before the backward of the node made last before the
+        parameter's first reader (its backward, the last of the readers', brings the last
+        contribution; eager's ``AccumulateGrad`` adds the sum then, and frees it), as
+        ``rkgb.build.first_run_bytes`` counts the sum; at the backward's end (None) where no such
+        node has a backward, or where a view group of the parameter joins it at the view's place.
+        Node name (or None) -> the parameters restored there."""
+        readers = self.graph.readers()
+        viewed = {chain[0].all_input_nodes[0].name for chain in self.parameter_views.values()}
+        points: dict[str | None, list[str]] = {}
+        for name in shared:
+            point = None
+            if name not in viewed:
+                contributing = [reader for reader in readers.get(name, ()) if self.infos[reader].requires_grad]
+                first = min(self.position[self.infos[reader].node.main.name] for reader in contributing)
+                before = [node for node in self.graph.nodes
+                          if self.position[node.main.name] < first and self.infos[node.name].requires_grad]
+                if before:
+                    point = max(before, key=lambda node: self.position[node.main.name]).name
+            points.setdefault(point, []).append(name)
+        return points
+
     # -- phases ----------------------------------------------------------------------------
     def header(self, w: _Writer) -> None:
         w("saved = s.saved")
@@ -766,6 +789,7 @@ class _Generator:
         w('"""The backward phase of the schedule, from the gradients of the outputs (s.grad_outputs)."""')
         self.header(w)
         shared = self.shared_parameters()
+        self.restores = self.restore_points(shared)
         if shared:
             w.comment("parameters read by several nodes: eager adds the sum of their contributions")
             w.comment("to a .grad that holds values once; islands add them one by one (same order)")
@@ -787,7 +811,7 @@ class _Generator:
         if self.view_groups:
             self._deliver_view_groups(w, -1)
             w("s.queue.close_groups()")
-        for name in shared:
+        for name in [name for names in self.restores.values() for name in names]:
             w(f"restore_grad({name}, s.stash_{name})")
         backward_source = ["def backward_phase(s):"] + w.lines
         return "\n".join(forward_source) + "\n\n\n" + "\n".join(backward_source) + "\n"
@@ -817,6 +841,8 @@ class _Generator:
             name = self.target(op.node)
             if op.node.startswith("bwd_") and not forward_phase:
                 self._deliver_view_groups(w, self.position[self.infos[name].node.main.name])
+                for parameter in self.restores.pop(name, ()):
+                    w(f"restore_grad({parameter}, s.stash_{parameter})  # every contribution is in")
             if op.node.startswith("fwd_"):
                 if not forward_phase and name not in self.computed:
                     raise ScheduleError(f"{op.node} is first computed after the loss; compute every node before")

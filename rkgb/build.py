@@ -309,7 +309,13 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
             direct, views = parameter_gradient_sources(graph, name, summed_views)
             if len([reader for reader in direct if needs[reader].requires_grad]) + views < 2:
                 continue
-        total = FirstRun(parameter_sum_key(name), parameter.untyped_storage().nbytes(), in_overhead=True)
+        # (added into the old .grad once the last contribution is in, as eager's AccumulateGrad
+        # does: before the backward of the node made last before the first reader, exec.codegen;
+        # at the backward's end where a view group of it joins later, at the view's place)
+        first = min(contributing, key=lambda reader: position[graph.node(reader).main.name])
+        viewed = any(chain[0].all_input_nodes[0].name == name for chain in summed_views.values())
+        total = FirstRun(parameter_sum_key(name), parameter.untyped_storage().nbytes(), in_overhead=True,
+                         until=None if viewed else delivery(graph.node(first).main.name))
         for reader in contributing:
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(total)
     for name, value in zip(graph.captured.inputs, args):

@@ -479,6 +479,7 @@ def simulate(
     # the contributions made where view groups are delivered (FirstRun.after_flush): the compute
     # node before which they are (None: the backward's end) -> (node, entry)
     deliveries: dict[str | None, list] = {}
+    held_back: list[str] = []  # backwards in the engine call of the one before (merged islands)
     for name, entries in (first_run_bytes or {}).items():
         for entry in entries:
             if entry.after_flush and graph.has_compute(name):
@@ -533,16 +534,27 @@ def simulate(
             flushed = storages.flush(only=data_name(node.target, DataKind.GRAD)) + kept + sum(waiting)
         else:
             flushed = _flush(storages, kept, waiting)
-        if node.name in deliveries:  # view groups' backwards, while their sums are there
-            flushed = max(flushed, _contribute_deferred(storages, kept, waiting, deliveries.pop(node.name),
-                                                        first_runs))
+        # what is delivered or freed where this node's backward starts (for a backward in the
+        # engine call of the one before, a merged island's: after that call, exec.codegen)
+        releasing: list = []
+        if released_by or deliveries:
+            if same_call and i in same_call:
+                held_back.append(node.name)
+            else:
+                for name in held_back + [node.name]:
+                    if name in deliveries:  # view groups' backwards, while their sums are there
+                        flushed = max(flushed, _contribute_deferred(storages, kept, waiting, deliveries.pop(name),
+                                                                    first_runs))
+                    releasing.extend(released_by.get(name, ()))
+                held_back.clear()
         # then the view groups whose place this is join their bases' gradients (exec.codegen's
         # deliveries): a new sum (the base's gradient may be held elsewhere: the loss's) while
-        # the group's own sum and the old gradient live
-        joined = [entry.bytes for entry in released_by.get(node.name, ()) if entry.key in first_runs]
+        # the group's own sum and the old gradient live (a shared parameter's sum, in_overhead,
+        # is added into the old .grad in place)
+        joined = [entry.bytes for entry in releasing if entry.key in first_runs and not entry.in_overhead]
         if joined:
             flushed = max(flushed, storages.memory + kept + sum(waiting) + max(joined))
-        for entry in released_by.get(node.name, ()):
+        for entry in releasing:
             if entry.key in first_runs:
                 first_runs.discard(entry.key)
                 if entry.accumulates:  # a gradient of its own (a view group summed at its size)
