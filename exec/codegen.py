@@ -700,11 +700,10 @@ class _Generator:
             point = None
             if name not in viewed:
                 contributing = [reader for reader in readers.get(name, ()) if self.infos[reader].requires_grad]
-                first = min(self.position[self.infos[reader].node.main.name] for reader in contributing)
-                before = [node for node in self.graph.nodes
-                          if self.position[node.main.name] < first and self.infos[node.name].requires_grad]
-                if before:
-                    point = max(before, key=lambda node: self.position[node.main.name]).name
+                first = min(contributing, key=lambda reader: self.position[self.infos[reader].node.main.name])
+                node = self.graph.last_node_before(self.infos[first].node.main.name,
+                                                   lambda node: self.infos[node].requires_grad)
+                point = node.name if node is not None else None
             points.setdefault(point, []).append(name)
         return points
 

@@ -276,10 +276,8 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         """Where the executor passes a view group's sum on (exec.codegen._deliver_view_groups):
         before the first backward of a node made before the view, at the latest that of the
         last such node; None: at the backward's end."""
-        before = [node for node in graph.nodes
-                  if position[node.main.name] < position[view] and needs[node.name].requires_grad]
-        return cname(max(before, key=lambda node: position[node.main.name]).name, ComputeKind.BACKWARD) \
-            if before else None
+        node = graph.last_node_before(view, lambda name: needs[name].requires_grad)
+        return cname(node.name, ComputeKind.BACKWARD) if node is not None else None
 
     for view, chain in summed_parameter_views(graph, trained).items():
         total = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True,

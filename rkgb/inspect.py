@@ -1261,16 +1261,14 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 # first-run memory (the simulator counts each, but those that are the incoming
                 # gradient): not a temporary of this backward
                 sinks = {id(sink) for sink in input_sinks.values()}
-                made = {storage_key(entry[2]): entry[2].untyped_storage().nbytes() for entry in queue.pending
-                        if id(entry[1]) in sinks and incoming.part(entry[2]) < 0}
                 # (by the storages' identities of _storages_made: those that a gradient's part
-                # shares are counted with that part's, below, not here)
+                # shares are counted with that part's, below, and given back there)
                 first_run_storages = {entry[2].untyped_storage()._cdata: entry[2].untyped_storage().nbytes()
                                       for entry in queue.pending
                                       if id(entry[1]) in sinks and incoming.part(entry[2]) < 0}
-                peak -= sum(made.values())
+                peak -= sum(first_run_storages.values())
                 if handed is not None:
-                    handed -= sum(made.values())
+                    handed -= sum(first_run_storages.values())
                 for leaf in leaves[name]:
                     leaf.grad = None
                 saved.free_phantoms(name)

@@ -288,6 +288,16 @@ class SimplifiedGraph:
                         names.append(node.name)
         return readers
 
+    def last_node_before(self, line: str, has_backward) -> "SimplifiedNode | None":
+        """The node made last before fx line ``line`` among those for which ``has_backward``
+        (node name -> bool) holds, or None: where eager's backward passes the place of ``line``
+        (the engine runs the node made last first), the executor delivers what belongs there
+        (a view group's sum, a shared parameter's sum of contributions) before that node's
+        backward, and the plan counts it until then (``rkgb.build.first_run_bytes``)."""
+        position = {fx.name: i for i, fx in enumerate(self.captured.graph.nodes)}
+        before = [node for node in self.nodes if position[node.main.name] < position[line] and has_backward(node.name)]
+        return max(before, key=lambda node: position[node.main.name]) if before else None
+
     def reads(self, node: SimplifiedNode) -> set[str]:
         """Owners (nodes, or globals: parameters, buffers, inputs) of the tensors ``node``'s
         lines read, ``node`` itself excluded."""

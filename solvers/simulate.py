@@ -274,9 +274,9 @@ class _Storages:
             self.pending.append((d, 0, self._new(entry.bytes)))
         return self.memory - before
 
-    def release_first_run(self, entry: FirstRun) -> None:
-        """The gradient of first-run ``entry`` (accumulating) joins another and is freed."""
-        d = _FIRST_RUN + entry.key
+    def release_first_run(self, key: str) -> None:
+        """The gradient of first-run ``key`` (accumulating) joins another and is freed."""
+        d = _FIRST_RUN + key
         for waiting in [waiting for waiting in self.pending if waiting[0] == d]:
             self.pending.remove(waiting)
             self._release(waiting[2])
@@ -347,7 +347,7 @@ def _contribute_deferred(storages: _Storages, kept: int, waiting: list[int], def
         for key in entry.releases:
             if key in first_runs:
                 first_runs.discard(key)
-                storages.release_first_run(FirstRun(key, 0))
+                storages.release_first_run(key)
         peak = max(peak, _flush(storages, kept, waiting))
     return peak
 
@@ -558,7 +558,7 @@ def simulate(
             if entry.key in first_runs:
                 first_runs.discard(entry.key)
                 if entry.accumulates:  # a gradient of its own (a view group summed at its size)
-                    storages.release_first_run(entry)
+                    storages.release_first_run(entry.key)
                 else:
                     kept -= entry.bytes
         memory = storages.memory
