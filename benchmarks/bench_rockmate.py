@@ -3,8 +3,10 @@
 For budgets of 100% (no recomputation needed) and 50% of eager's activation peak, prints the
 budget, predicted and measured peak, predicted and measured step time, and eager's step time.
 One thread; runs of eager and Rockmate are interleaved; medians and ratios are reported.
+With ``--device cuda`` the model runs on the GPU: peaks are ``torch.cuda.max_memory_allocated``'s
+and each step's time is taken after ``torch.cuda.synchronize``.
 
-    .venv/bin/python benchmarks/bench_rockmate.py [--preset bench] [--steps 20] [--warmup 5]
+    .venv/bin/python benchmarks/bench_rockmate.py [--preset bench] [--steps 20] [--warmup 5] [--device cuda]
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class _DotLoss:
     def __call__(self, outputs):
         flat = outputs.reshape(-1)
         if self.weights is None:
-            self.weights = torch.randn(flat.numel(), dtype=flat.dtype, generator=torch.Generator().manual_seed(0))
+            self.weights = torch.randn(flat.numel(), dtype=flat.dtype,
+                                       generator=torch.Generator().manual_seed(0)).to(flat.device)
         return torch.dot(flat, self.weights)
 
 
@@ -50,12 +53,20 @@ def _step(module, sample, track: bool):
     for p in module.parameters():
         if p.grad is not None:
             p.grad.zero_()
+    device = sample[0].device
+    _synchronize(device)
     start, cpu = time.perf_counter(), time.process_time()
     if track:
-        peak = measure_allocator_peak(lambda: _loss(module(*sample)).backward(), device=sample[0].device)
+        peak = measure_allocator_peak(lambda: _loss(module(*sample)).backward(), device=device)
         return time.perf_counter() - start, peak, time.process_time() - cpu
     _loss(module(*sample)).backward()
+    _synchronize(device)
     return time.perf_counter() - start, None, time.process_time() - cpu
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -65,16 +76,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each, interleaved")
     parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5])
     parser.add_argument("--solver", default="rockmate")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, sample = ZOO["gpt"].build(args.preset)
+    model, sample = ZOO["gpt"].build(args.preset, device=args.device)
     eager = copy.deepcopy(model)
     for p in list(model.parameters()) + list(eager.parameters()):
         p.grad = torch.zeros_like(p)
     _step(eager, sample, False)
     eager_peak = _step(eager, sample, True)[1]
     config = ZOO["gpt"].config(args.preset)
-    print(f"GPT-like '{args.preset}': {config}; eager activation peak {format_bytes(eager_peak)}; 1 thread")
+    where = torch.cuda.get_device_name(args.device) if sample[0].is_cuda else "1 thread"
+    print(f"GPT-like '{args.preset}': {config}; eager activation peak {format_bytes(eager_peak)}; {where}")
     print("times: medians of interleaved steps; 'cpu' is the process's CPU time (robust when the "
           "machine is shared), 'ratio' wall / eager wall")
     print(f"{'budget':>12} {'pred peak':>11} {'meas peak':>11} {'pred ms':>8} {'meas ms':>8} "

@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from rkgb.functions import applied_function
-from rkgb.interpret import GRAD_MODE_NUMERICS, batch_norms_in_place, tensor_args
+from rkgb.interpret import EAGER_KERNELS, GRAD_MODE_NUMERICS, batch_norms_in_place, tensor_args
 from rkgb.simplify import (SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, parameter_gradient_sources,
                            split_of_view, summed_input_views, summed_parameter_views, summing_view_chain)
 from solvers.schedule import Compute, Forget, Schedule
@@ -296,6 +296,10 @@ class _Generator:
         if target is torch.ops.rockmate.function_call.default:
             # a custom autograd.Function applied as one operation (rkgb.functions): named after it
             return self.bind(target, f"apply_{applied_function(fx_node.args[0]).function.__name__}")
+        if target in EAGER_KERNELS:  # a batch norm: eager's dispatch (rkgb.interpret.EAGER_KERNELS)
+            function = EAGER_KERNELS[target]
+            self.globals[function.__name__] = function
+            return function.__name__
         if isinstance(target, torch._ops.OpOverload):
             namespace = target.namespace
             packet = target._overloadpacket.__name__

@@ -400,6 +400,33 @@ def _describe_autocast(state: tuple) -> str:
     return "(" + ", ".join(on) + ")" if on else "off"
 
 
+class _MatmulsInBackward(torch.autograd.Function):
+    """Identity whose backward runs a matrix product with a bias and one without."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        a = torch.ones(2, 2, device=grad.device)
+        torch.addmm(torch.ones(2, device=grad.device), a, a)
+        torch.mm(a, a)
+        return grad
+
+
+def warm_engine_thread(device: torch.device) -> None:
+    """Make cuBLAS's per-thread workspaces of the autograd engine's ``device`` thread now.
+
+    cuBLAS and cuBLASLt keep a workspace per thread and stream, allocated from the caching
+    allocator at their first product there and kept for the process. Eager's steps run
+    products with a bias (cuBLASLt's path) only in the forward thread; a plan that recomputes
+    a linear layer runs one in the engine's thread, whose first run would add that workspace
+    (1 MiB by default) to the first step's peak."""
+    x = torch.zeros(1, device=device, requires_grad=True)
+    _MatmulsInBackward.apply(x).sum().backward()
+
+
 class CompiledModule(nn.Module):
     """``model`` executed by ``schedule``: same outputs, gradients and buffer updates.
 
@@ -469,6 +496,8 @@ class CompiledModule(nn.Module):
         # run each schedule operation inside a profiler range (exec.timeline), off by default
         self.markers = False
         self.runner_for(sample)  # the code of the sample's pattern, generated now
+        if self.device.type == "cuda":
+            warm_engine_thread(self.device)
 
     def _owner_of(self, path: str) -> tuple[nn.Module, str]:
         module_path, _, attribute = path.rpartition(".")

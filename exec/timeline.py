@@ -90,8 +90,9 @@ def measure_timeline(compiled, args: tuple, loss_fn: Callable[[Any], torch.Tenso
     """Run one training step of ``compiled`` (an :class:`exec.runtime.CompiledModule`) on
     ``args`` with ``loss_fn(outputs).backward()``, and return its timeline against ``plan``.
 
-    CPU only (the allocator's events come from the profiler); the step's gradients accumulate
-    into the parameters as any step's do.
+    The allocator's events come from the profiler: the CPU allocator's, or the CUDA caching
+    allocator's where ``args`` are on CUDA; the step's gradients accumulate into the parameters
+    as any step's do.
     """
     schedule: Schedule = plan.schedule
     predicted = _predicted(compiled, plan, compiled.runner_for(args).merged)
@@ -103,7 +104,8 @@ def measure_timeline(compiled, args: tuple, loss_fn: Callable[[Any], torch.Tenso
 
     compiled.markers = True
     try:
-        events, named = allocator_events_and_ranges(step, prefix=MARKER_PREFIX)
+        device_type = next((x.device.type for x in args if isinstance(x, torch.Tensor)), "cpu")
+        events, named = allocator_events_and_ranges(step, prefix=MARKER_PREFIX, device_type=device_type)
     finally:
         compiled.markers = False
     ranges = {int(name[len(MARKER_PREFIX):]): span for name, span in named.items()}

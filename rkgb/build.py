@@ -21,6 +21,7 @@ from .disk_cache import source_digest
 from .functions import function_identity
 from .inspect import BlockMeasure, gradient_layouts, inspect_chain
 from .interpret import global_requires_grad, tensor_args
+from .memory import storage_bytes, tensor_bytes
 from .simplify import (SimplifiedGraph, gradient_needs, parameter_gradient_sources, simplify, split_of_view,
                        summed_input_views, summed_parameter_views, summing_view_chain)
 
@@ -199,7 +200,7 @@ def held_bytes(graph: SimplifiedGraph, model: nn.Module) -> int:
 
 
 def _nbytes(value) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+    return tensor_bytes(value)
 
 
 def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accumulation: bool = True,
@@ -222,7 +223,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
     snapshot = set(graph.snapshot_buffers())
     for node in graph.nodes:
         for name in graph.reads(node) & snapshot:  # copied for recomputations (exec.codegen)
-            size = model.get_buffer(graph.captured.buffers[name]).untyped_storage().nbytes()
+            size = storage_bytes(model.get_buffer(graph.captured.buffers[name]))
             result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
                 FirstRun(f"{name}.snapshot", size, only_if_rerun=True))
     for node in graph.nodes:
@@ -312,14 +313,14 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         # at the backward's end where a view group of it joins later, at the view's place)
         first = min(contributing, key=lambda reader: position[graph.node(reader).main.name])
         viewed = any(chain[0].all_input_nodes[0].name == name for chain in summed_views.values())
-        total = FirstRun(parameter_sum_key(name), parameter.untyped_storage().nbytes(), in_overhead=True,
+        total = FirstRun(parameter_sum_key(name), storage_bytes(parameter), in_overhead=True,
                          until=None if viewed else delivery(graph.node(first).main.name))
         for reader in contributing:
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(total)
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
             continue
-        size = value.numel() * value.element_size()
+        size = tensor_bytes(value)
         grad = FirstRun(input_grad_key(name), size, accumulates=True)
         # views of the input made in nodes' preludes: the executor sums each one's gradient
         # apart (exec.codegen, view groups), as eager's view buffer does, until the view's place

@@ -160,12 +160,14 @@ def owns_its_storage(tensor: torch.Tensor) -> bool:
     gradient made in a bigger buffer's layout): what the engine frees when it drops the tensor."""
     holders = 2 + (tensor._base is not None)  # the tensor, the storage's wrapper, its base
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= holders \
-        and non_overlapping_and_dense(tensor) \
-        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+        and tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes() \
+        and non_overlapping_and_dense(tensor)
 
 
 def non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` covers its elements densely, without overlap (any order of strides)."""
+    if tensor.is_contiguous():  # (the common case, answered in C++: torch's general test is Python)
+        return True
     from torch._prims_common import is_non_overlapping_and_dense_or_false
 
     return bool(is_non_overlapping_and_dense_or_false(tensor))

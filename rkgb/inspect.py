@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_leaves
 
 from .blocks import Block, BlockClass, Chain, side_name
 from .capture import as_input_tuple, device_of
-from .interpret import global_requires_grad, initial_environment, inspected_targets, run_lines, tensor_args
-from .memory import allocator_events_and_ranges, measure_allocator_peak
+from .interpret import eager_target, global_requires_grad, initial_environment, inspected_targets, run_lines, tensor_args
+from .memory import allocator_events_and_ranges, measure_allocator_peak, storage_bytes
 from .gradsink import GradientQueue, GradSink, handoff, handoff_backward, non_overlapping_and_dense, owns_its_storage
 from .saved import SavedTensors, storage_key
 from .simplify import (OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs, summed_input_views,
@@ -273,7 +273,7 @@ def _storage_bytes(tensors) -> int:
     seen = {}
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.numel():
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            seen[t.untyped_storage().data_ptr()] = storage_bytes(t)
     return sum(seen.values())
 
 
@@ -799,7 +799,7 @@ def _phantoms_in_recording(saved: SavedTensors, node: str, device: torch.device)
     keys = {storage_key(group[0].tensor) for group in movable}
     if len(keys) < len(movable):  # two tensors over one storage: not told apart, not copied
         return (lambda: None), 0
-    moved = sum(group[0].tensor.untyped_storage().nbytes() for group in movable)
+    moved = sum(storage_bytes(group[0].tensor) for group in movable)
 
     def move() -> None:
         for group in movable:
@@ -933,7 +933,7 @@ def _storages_made(pending: list, part_of_sink: dict[int, tuple[str, int]], inpu
         whole = non_overlapping_and_dense(grad) and \
             grad.numel() * grad.element_size() == grad.untyped_storage().nbytes()
         storage = (-1, 0, False) if incoming.part(grad) >= 0 else \
-            (grad.untyped_storage()._cdata, grad.untyped_storage().nbytes(), whole)
+            (grad.untyped_storage()._cdata, storage_bytes(grad), whole)
         where = part_of_sink.get(id(entry[1]))
         if where is not None:
             made.setdefault(where, []).append(storage)
@@ -1008,7 +1008,7 @@ def _measure_handoff(meter, island: list[torch.Tensor], leaves: list[torch.Tenso
             by_storage.setdefault(storage_key(leaf.grad), []).append(i)
     copied = [group for group in by_storage.values() if _sole_views([leaves[i].grad for i in group])
               or (len(group) == 1 and owns_its_storage(leaves[group[0]].grad))]
-    copied_bytes = sum(leaves[group[0]].grad.untyped_storage().nbytes() for group in copied)
+    copied_bytes = sum(storage_bytes(leaves[group[0]].grad) for group in copied)
 
     move, moved = phantoms
 
@@ -1237,7 +1237,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     # marked: the figure handed off is the peak before it, or the peak after it
                     # less that gradient
                     incoming_grad = box["grads"][0]
-                    credit = incoming_grad.untyped_storage().nbytes() \
+                    credit = storage_bytes(incoming_grad) \
                         if owns_its_storage(incoming_grad) or _sole_views([incoming_grad]) else 0
                     root = outputs[0].grad_fn if credit else None
                     hook = None if root is None else _IncomingFreed(meter, incoming_grad, root)
@@ -1263,7 +1263,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                 sinks = {id(sink) for sink in input_sinks.values()}
                 # (by the storages' identities of _storages_made: those that a gradient's part
                 # shares are counted with that part's, below, and given back there)
-                first_run_storages = {entry[2].untyped_storage()._cdata: entry[2].untyped_storage().nbytes()
+                first_run_storages = {entry[2].untyped_storage()._cdata: storage_bytes(entry[2])
                                       for entry in queue.pending
                                       if id(entry[1]) in sinks and incoming.part(entry[2]) < 0}
                 peak -= sum(first_run_storages.values())
@@ -1406,8 +1406,8 @@ def run_island_lines(lines, env, sinks: dict[str, GradSink], queue: GradientQueu
             return alias
 
         args, kwargs = torch.fx.node.map_arg((line.args, line.kwargs), fetch)
-        target = targets.get(line.name, line.target) if targets else line.target
-        env[line.name] = target(*args, **kwargs)
+        target = targets.get(line.name) if targets else None
+        env[line.name] = (target or eager_target(line.target))(*args, **kwargs)
     queue.release()
     return made
 

@@ -14,36 +14,90 @@ from .simplify import SimplifiedGraph, SimplifiedNode
 
 __all__ = ["run_lines", "tensor_args", "initial_environment", "global_requires_grad", "run_simplified_forward",
            "batch_norm_updating", "batch_norm_not_updating", "batch_norms_in_place", "inspected_targets",
-           "GRAD_MODE_NUMERICS", "in_grad_mode"]
+           "GRAD_MODE_NUMERICS", "in_grad_mode", "EAGER_KERNELS", "eager_target"]
 
 
 def run_lines(lines: Iterable[torch.fx.Node], env: dict[str, object], targets: dict | None = None) -> None:
     """Execute fx nodes in order, reading their arguments from and writing results to ``env``
-    (``targets``: the function to call instead of a line's own target, by line name)."""
+    (``targets``: the function to call instead of a line's own target, by line name; else
+    :func:`eager_target`)."""
     for fx_node in lines:
         args, kwargs = torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), lambda n: env[n.name])
-        target = targets.get(fx_node.name, fx_node.target) if targets else fx_node.target
-        env[fx_node.name] = target(*args, **kwargs)
+        target = targets.get(fx_node.name) if targets else None
+        env[fx_node.name] = (target or eager_target(fx_node.target))(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Batch norms as eager dispatches them
+# --------------------------------------------------------------------------------------------
+#
+# ``F.batch_norm`` calls ``at::batch_norm``, whose ``_batch_norm_impl_index`` chooses the kernel
+# at run time: cuDNN's on CUDA (where its conditions hold: dtypes, eps, batch size), MIOpen's on
+# ROCm, the native one elsewhere; autograd then records that kernel's backward (e.g.
+# ``CudnnBatchNormBackward0``). The exported graph names the native kernel instead
+# (``_native_batch_norm_legit_functional``), whose results on CUDA differ from cuDNN's in the
+# last bits. Every batch norm of a graph therefore runs through ``_batch_norm_impl_index``, as
+# eager's does (on the CPU that is the native kernel, the same bits as before).
+
+
+def _dispatched_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    result, mean, rstd, _reserve, _backend = torch.ops.aten._batch_norm_impl_index.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps, torch.backends.cudnn.enabled)
+    return result, mean, rstd
+
+
+def functional_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``aten._native_batch_norm_legit_functional`` as eager computes it: the running statistics
+    of copies updated in place by eager's kernel (the copies are the op's new values)."""
+    new_mean, new_var = running_mean.clone(), running_var.clone()
+    result, mean, rstd = _dispatched_batch_norm(input, weight, bias, new_mean, new_var, training, momentum, eps)
+    return result, mean, rstd, new_mean, new_var
+
+
+def batch_norm_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
+    """``aten._native_batch_norm_legit_no_training`` (a BatchNorm in eval mode inside a trained
+    model) through eager's dispatch."""
+    return _dispatched_batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)
+
+
+def batch_norm_no_stats(input, weight, bias, training, momentum, eps):
+    """``aten._native_batch_norm_legit.no_stats`` (no running statistics) through eager's dispatch."""
+    return _dispatched_batch_norm(input, weight, bias, None, None, training, momentum, eps)
+
+
+# the graph's batch norm ops and the functions that run them as eager does
+EAGER_KERNELS = {
+    FUNCTIONAL_BATCH_NORM: functional_batch_norm,
+    torch.ops.aten._native_batch_norm_legit_no_training.default: batch_norm_no_training,
+    torch.ops.aten._native_batch_norm_legit.no_stats: batch_norm_no_stats,
+    torch.ops.aten._native_batch_norm_legit.default: _dispatched_batch_norm,
+    torch.ops.aten.native_batch_norm.default: _dispatched_batch_norm,
+}
+
+
+def eager_target(target):
+    """The function that runs a graph line's ``target`` as eager does (:data:`EAGER_KERNELS`)."""
+    return EAGER_KERNELS.get(target, target)
 
 
 
 
 def batch_norm_updating(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """The functional batch norm's five results as eager makes them: the running statistics
-    updated in place (``aten._native_batch_norm_legit``), the buffers themselves returned as
+    updated in place by eager's kernel (see :data:`EAGER_KERNELS`), the buffers themselves returned as
     their new values. The functional op updates copies of them (two tensors more, which eager
     does not have); the normalized result, the saved statistics and the new running
     statistics are the same, bit for bit."""
-    result, mean, rstd = torch.ops.aten._native_batch_norm_legit.default(
-        input, weight, bias, running_mean, running_var, training, momentum, eps)
+    result, mean, rstd = _dispatched_batch_norm(input, weight, bias, running_mean, running_var, training,
+                                                momentum, eps)
     return result, mean, rstd, running_mean, running_var
 
 
 def batch_norm_not_updating(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """The functional batch norm run again (a recomputation, the inspection): the same result
     and saved statistics from the batch (training mode reads no running statistics), the
-    buffers left alone and returned unchanged (``aten._native_batch_norm_legit.no_stats``)."""
-    result, mean, rstd = torch.ops.aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
+    buffers left alone and returned unchanged (no running statistics passed to the kernel)."""
+    result, mean, rstd = _dispatched_batch_norm(input, weight, bias, None, None, training, momentum, eps)
     return result, mean, rstd, running_mean, running_var
 
 

@@ -271,6 +271,32 @@ def measure_peak(
     return tracker.peak_bytes
 
 
+# c10's CUDA caching allocator rounds every block up to a multiple of this (kMinBlockSize)
+CUDA_BLOCK_BYTES = 512
+
+
+def allocated_bytes(nbytes: int, device: torch.device | str) -> int:
+    """The bytes the allocator takes for a storage of ``nbytes`` on ``device``, as its peak
+    counts them: on CUDA, ``nbytes`` rounded up to 512 bytes (``max_memory_allocated`` counts
+    blocks); on the CPU, ``nbytes``."""
+    if nbytes and torch.device(device).type == "cuda":
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return nbytes
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """The allocator's bytes for ``tensor``'s storage (:func:`allocated_bytes`); real or fake."""
+    return allocated_bytes(tensor.untyped_storage().nbytes(), tensor.device)
+
+
+def tensor_bytes(value) -> int:
+    """The allocator's bytes for a new tensor like ``value`` (its elements, rounded as
+    :func:`allocated_bytes`); 0 for anything else."""
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return allocated_bytes(value.numel() * value.element_size(), value.device)
+
+
 @dataclass(frozen=True)
 class AllocatorEvent:
     """One allocation (``delta_bytes > 0``) or free reported by the allocator.
@@ -300,10 +326,13 @@ def allocator_events(fn: Callable[..., Any], *args: Any) -> list[AllocatorEvent]
     return allocator_events_and_ranges(fn, *args)[0]
 
 
-def allocator_events_and_ranges(fn: Callable[..., Any], *args: Any, prefix: str = "\0") -> tuple[
+def allocator_events_and_ranges(fn: Callable[..., Any], *args: Any, prefix: str = "\0",
+                                device_type: str = "cpu") -> tuple[
         list[AllocatorEvent], dict[str, tuple[int, int]]]:
     """:func:`allocator_events`, and the (start, end) times of the profiler ranges
-    (``torch.profiler.record_function``) whose names start with ``prefix``, by name."""
+    (``torch.profiler.record_function``) whose names start with ``prefix``, by name.
+    ``device_type="cuda"`` gives the CUDA caching allocator's events instead (its blocks, each
+    rounded up to 512 bytes, as ``torch.cuda.max_memory_allocated`` counts them)."""
     import os
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -319,7 +348,7 @@ def allocator_events_and_ranges(fn: Callable[..., Any], *args: Any, prefix: str 
     while stack:
         event = stack.pop()
         stack.extend(event.children)
-        if event.tag == allocation and event.typed[1].device.type == "cpu":
+        if event.tag == allocation and event.typed[1].device.type == device_type:
             raw.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].ptr))
     events, current, live = [], 0, set()
     for time_ns, delta, ptr in sorted(raw, key=lambda triple: triple[0]):

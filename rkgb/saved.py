@@ -26,6 +26,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .memory import storage_bytes
+
 __all__ = ["DataReference", "Packed", "PhantomFreedError", "SavedTensors", "storage_key"]
 
 
@@ -202,7 +204,7 @@ class SavedTensors:
         """Bytes held by the phantoms of ``node`` (each storage counted once)."""
         storages = {}
         for tensor in self.phantom_tensors(node):
-            storages[storage_key(tensor)] = tensor.untyped_storage().nbytes()
+            storages[storage_key(tensor)] = storage_bytes(tensor)
         return sum(storages.values())
 
     def references_of(self, node: str) -> set[str]:

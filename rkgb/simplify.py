@@ -31,6 +31,7 @@ import torch.fx
 
 from .capture import FUNCTIONAL_BATCH_NORM, CapturedGraph, storage_identity
 from .errors import UnsupportedOperation, describe_fx_node
+from .memory import storage_bytes
 
 __all__ = ["OpKind", "classify", "SimplifiedNode", "SimplifiedGraph", "simplify", "GradientNeeds", "gradient_needs", "NO_GRADIENT"]
 
@@ -447,7 +448,7 @@ def _attention_without_dropout(node: torch.fx.Node) -> bool:
 
 
 def _tensor_output(fx_node: torch.fx.Node, value: torch.Tensor) -> TensorOutput:
-    size = value.untyped_storage().nbytes() if value.numel() else 0
+    size = storage_bytes(value) if value.numel() else 0
     return TensorOutput(
         fx_name=fx_node.name,
         shape=tuple(int(s) for s in value.shape),

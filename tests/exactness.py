@@ -18,11 +18,26 @@ import torch
 from rkgb.cdgraph import parameter_sums
 from rkgb.memory import measure_allocator_peak
 
-__all__ = ["bitwise_equal", "DotLoss", "LOSS_BYTES", "CheckReport", "check_training", "eager_peak", "step_peak"]
+__all__ = ["bitwise_equal", "DotLoss", "LOSS_BYTES", "loss_bytes", "CheckReport", "check_training", "eager_peak", "step_peak"]
 
 # the loss's own scalars (its dot products, their sum, the gradient of the sum), which the
 # test allocates beside the module's memory
 LOSS_BYTES = 64
+# on CUDA the caching allocator rounds every block up to 512 bytes: each scalar takes 512
+CUDA_BLOCK = 512
+
+
+def loss_bytes(device: torch.device) -> int:
+    """The loss's own allocations beside the module's: :data:`LOSS_BYTES` on the CPU; on CUDA
+    the same eight scalars, each a 512-byte block of the caching allocator."""
+    return LOSS_BYTES if torch.device(device).type != "cuda" else LOSS_BYTES // 8 * CUDA_BLOCK
+
+
+def _device_of(sample) -> torch.device:
+    for x in sample:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return torch.device("cpu")
 
 
 _SAME_SIZE_INTEGER = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -56,7 +71,8 @@ class DotLoss:
     def __init__(self, outputs, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.weights = [
-            torch.randn(o.numel(), generator=generator, dtype=o.dtype) if o.is_floating_point() else None
+            torch.randn(o.numel(), generator=generator, dtype=o.dtype).to(o.device) if o.is_floating_point()
+            else None
             for o in _flat(outputs)
         ]
 
@@ -66,8 +82,13 @@ class DotLoss:
         return sum(terms[1:], terms[0]) if terms else None
 
     def copies(self, outputs) -> int:
-        """Bytes that the loss's forward copies (reshapes of outputs that are not contiguous)."""
-        return sum(o.numel() * o.element_size() for o, w in zip(_flat(outputs), self.weights)
+        """Bytes that the loss's forward copies (reshapes of outputs that are not contiguous),
+        as the allocator rounds them on CUDA."""
+        def block(o):
+            size = o.numel() * o.element_size()
+            return -(-size // CUDA_BLOCK) * CUDA_BLOCK if o.is_cuda else size
+
+        return sum(block(o) for o, w in zip(_flat(outputs), self.weights)
                    if w is not None and o.requires_grad and not o.is_contiguous())
 
 
@@ -99,7 +120,7 @@ def step_peak(module, sample, loss) -> int:
             p.grad = torch.zeros_like(p)
     step = _step(module, sample, loss, {})
     step()
-    return measure_allocator_peak(step)
+    return measure_allocator_peak(step, device=_device_of(sample))
 
 
 @dataclass
@@ -123,7 +144,7 @@ def _train(module, params, sample, loss, steps: int, seed: int):
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=False)
         result: dict = {}
-        peak = measure_allocator_peak(_step(module, sample, loss, result))
+        peak = measure_allocator_peak(_step(module, sample, loss, result), device=_device_of(sample))
         outputs = [o.detach().clone() for o in result["outputs"]]
         grads = [None if p.grad is None else p.grad.clone() for p in params]
         history.append((outputs, grads, result["input_grads"], peak))
@@ -151,10 +172,11 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
     for p in list(model.parameters()) + list(reference.parameters()):
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    device = _device_of(sample)
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         probe = copy.deepcopy(model)(*sample)
     loss = DotLoss(probe)
-    slack = LOSS_BYTES + loss.copies(probe)
+    slack = loss_bytes(device) + loss.copies(probe)
     eager = eager_peak(model, sample, loss)
     budget = max(1, int(eager * fraction))
     minimum = False
