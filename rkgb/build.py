@@ -433,6 +433,14 @@ def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, bloc
                 owned = measure.input_grad_owned.get(input_name, [False] * len(sources))
                 groups = measure.input_grad_together.get(input_name, [])
                 groups = groups + [-1] * (len(sources) - len(groups))
+                # (the inspection's sink also saw the contributions through views of the input
+                # that the executor sums apart, in the views' group: where every contribution
+                # is alike, which one is which does not matter)
+                views = [i for i, entry in enumerate(result.get(name, ()))
+                         if entry.key == input_views_key(same.get(input_name, input_name))]
+                if len(own) < len(sources) == len(own) + len(views) and \
+                        len(set(zip(sources, owned, groups))) == 1:
+                    own = sorted(own + views)
                 if len(own) != len(sources) or not any(j >= 0 for j in sources) and not any(owned) \
                         and not any(g >= 0 for g in groups):
                     continue
