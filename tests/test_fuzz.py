@@ -388,6 +388,32 @@ def test_slices_of_an_input_hold_what_eager_holds(program):
         check_program(program, fraction, **GRID)
 
 
+def test_contributions_through_a_view_of_the_input_alias_the_incoming_gradient():
+    """``x.view(...) + x``: the add's backward passes its incoming gradient to both reads; the
+    one through the view (summed apart in the view's group) is that gradient, not a new tensor
+    (rkgb.build._input_grad_aliases): the plan's memory during the add's backward is what was
+    there plus the one sum into the loss's gradient of ``x`` (3072 B; 3840 B before)."""
+    import copy
+
+    from exactness import DotLoss
+    from random_models import make
+    from rockmate import Rockmate
+
+    program = written([("identity_view", [0]), ("identity_view", [1]), ("add", [2, 0])], [0, 3],
+                      batch=2, seq=6, dim=8, dtype=torch.float64, input_requires_grad=True)
+    model, x = make(program)
+    with torch.no_grad():
+        probe = copy.deepcopy(model)(x)
+    none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", cost_model="flops")
+    timeline = none.memory_timeline(x, loss_fn=DotLoss(probe))
+    during = dict(zip(timeline.labels, timeline.predicted))
+    tensor = x.numel() * x.element_size()
+    assert during["Compute(node='bwd_add', with_grad=True)"] == during["Compute(node='loss', with_grad=True)"] + tensor
+    assert all(m <= p + 16 for p, m in zip(timeline.predicted, timeline.measured)), timeline
+    for fraction in (1.0, 0.5):
+        check_program(program, fraction, **GRID)
+
+
 # side inputs on random programs (``max_block_nodes=3``: most programs get some), found by
 # `benchmarks/fuzz.py --max-block-nodes 3` (seed 29): a model output made before the last block
 # and returned twice gets two gradients from the loss (counted once before: 768 B over the budget);
