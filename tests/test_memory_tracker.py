@@ -277,3 +277,21 @@ def test_cuda_figures():
         y = x * 2
         del y
     assert tracker.peak_bytes == 1 << 20 and tracker.current_bytes == 0
+
+
+def test_sizes_as_the_cuda_caching_allocator_takes_them():
+    """On CUDA every block is rounded up to 512 bytes (c10's kMinBlockSize), also for fake
+    tensors of the capture; on the CPU the bytes are the storage's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rkgb.memory import allocated_bytes, storage_bytes, tensor_bytes
+
+    assert [allocated_bytes(n, "cuda") for n in (0, 1, 512, 513, 3 * 1024 * 1024 + 1)] == \
+        [0, 512, 512, 1024, 3 * 1024 * 1024 + 512]
+    assert [allocated_bytes(n, "cpu") for n in (0, 1, 513)] == [0, 1, 513]
+    assert storage_bytes(torch.zeros(3)) == tensor_bytes(torch.zeros(3)) == 12
+    with FakeTensorMode():
+        fake = torch.empty(3, device="cuda")
+        assert storage_bytes(fake) == tensor_bytes(fake) == 512
+        assert tensor_bytes(torch.empty(129, device="cuda")) == 1024
+    assert tensor_bytes(3.0) == 0

@@ -312,3 +312,33 @@ def test_a_tensor_at_a_freed_incoming_gradients_address_is_no_alias_of_it():
         reused += new.untyped_storage().data_ptr() == address
         assert incoming.part(new) == -1
     assert reused  # the case happened (the CPU allocator reuses a freed block of that size)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("stats", [True, False])
+def test_batch_norms_run_through_eagers_dispatch(training, stats):
+    """The graph's batch norm ops run as ``F.batch_norm`` runs (``_batch_norm_impl_index``: cuDNN's
+    kernel on CUDA, the native one here): the same result, running statistics and gradient
+    function as eager's (rkgb.interpret.EAGER_KERNELS)."""
+    from rkgb.interpret import EAGER_KERNELS
+
+    aten = torch.ops.aten
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 3, 5, 5, generator=generator, requires_grad=True)
+    weight, bias = torch.randn(3, generator=generator), torch.randn(3, generator=generator)
+    mean, var = torch.randn(3, generator=generator), torch.rand(3, generator=generator) + 0.5
+    if not stats and not training:
+        pytest.skip("eval mode reads running statistics")
+    eager_mean, eager_var = (mean.clone(), var.clone()) if stats else (None, None)
+    expected = torch.nn.functional.batch_norm(x, eager_mean, eager_var, weight, bias, training, 0.1, 1e-5)
+    if training and stats:
+        result, _, _, new_mean, new_var = EAGER_KERNELS[aten._native_batch_norm_legit_functional.default](
+            x, weight, bias, mean, var, True, 0.1, 1e-5)
+        assert torch.equal(new_mean, eager_mean) and torch.equal(new_var, eager_var)
+    elif training:
+        result = EAGER_KERNELS[aten._native_batch_norm_legit.no_stats](x, weight, bias, True, 0.1, 1e-5)[0]
+    else:
+        result = EAGER_KERNELS[aten._native_batch_norm_legit_no_training.default](
+            x, weight, bias, mean, var, 0.1, 1e-5)[0]
+    assert torch.equal(result, expected)
+    assert type(result.grad_fn) is type(expected.grad_fn)
