@@ -89,6 +89,23 @@ class ScheduleRepair:
     def computes_of(self, stages: Stages) -> list[str]:
         return [self.names[k] for t, extra in enumerate(stages) for k in (*extra, t)]
 
+    def time_of(self, stages: Stages) -> float:
+        """The time of the option of ``stages`` (:meth:`evaluate`'s ``time_s``, summed as the
+        simulator sums it: the forwards before the loss, then the rest in order), without
+        simulating it."""
+        forward = backward = 0.0
+        after_loss = False
+        for t, extra in enumerate(stages):
+            for k in (*extra, t):
+                node = self.nodes[k]
+                if node.kind is ComputeKind.LOSS:
+                    after_loss = True
+                elif node.kind is ComputeKind.FORWARD and not after_loss:
+                    forward += node.time_s
+                else:
+                    backward += node.time_s
+        return forward + backward
+
     def evaluate(self, stages: Stages) -> BlockOption | None:
         if stages not in self._cache:
             self.evaluations += 1
@@ -212,11 +229,19 @@ class ScheduleRepair:
         while excess(option) > 0:
             if self.evaluations >= budget:
                 return None
-            scored = [(move, new) for move in self._candidates(current, peak, save)
-                      if (new := self.evaluate(move)) is not None]
-            fitting = [(m, o) for m, o in scored if excess(o) == 0]
-            if fitting:
-                current, option = min(fitting, key=lambda mo: mo[1].time_s)
+            # the moves by their time (known without simulating them): the first that fits is
+            # the fitting one of least time, and the slower ones need no simulation
+            scored, fitting = [], None
+            for move in sorted(self._candidates(current, peak, save), key=self.time_of):
+                new = self.evaluate(move)
+                if new is None:
+                    continue
+                if excess(new) == 0:
+                    fitting = (move, new)
+                    break
+                scored.append((move, new))
+            if fitting is not None:
+                current, option = fitting
                 break
             better = [(m, o) for m, o in scored if excess(o) < excess(option)]
             if not better:
