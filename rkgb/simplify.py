@@ -798,6 +798,8 @@ def _group_views_of_results(graph: SimplifiedGraph) -> None:
                         for user in main.users)
             if not early or (main is not node.main and main.name not in graph.exported(node)):
                 continue
+            if main is node.main and _split_summed_exactly(line, family[1:], main, outputs):
+                continue
             for member in family:
                 node.body.remove(member)
             for name in readers:
@@ -826,6 +828,23 @@ def _group_views_of_results(graph: SimplifiedGraph) -> None:
                           for user in base.users)
             if between and not _disjoint_pieces(base, graph):
                 graph.grouped_views[line.name] = base.name
+
+
+def _split_summed_exactly(split: torch.fx.Node, pieces: list[torch.fx.Node], result: torch.fx.Node,
+                          outputs: set[str]) -> bool:
+    """Whether a split of a node's ``result`` can stay in the node's body (its ``pieces``
+    exported), its readers' gradients piece-sized, the split's backward run once by the node's,
+    as eager's split node does, where a group made in each reader would make a result-sized
+    gradient per reader (``chunk`` read by two nodes: one more result-sized tensor than eager).
+
+    The gradients' sums are then made in another order than eager's (the node's backward runs
+    the split's after the backward of nodes made before the split), so only where every sum has
+    at most two terms, which add up the same in either order: each piece read at most twice, and
+    the result read once at most beside the split (the user's gradient counted)."""
+    if split.target not in SPLIT_TARGETS or not pieces or any(len(piece.users) > 2 for piece in pieces):
+        return False
+    others = [user for user in result.users if user is not split]
+    return len(others) + (result.name in outputs) <= 1
 
 
 def _piece(line: torch.fx.Node) -> tuple[int, int, int] | None:
