@@ -841,10 +841,15 @@ def _split_summed_exactly(split: torch.fx.Node, pieces: list[torch.fx.Node], res
     the split's after the backward of nodes made before the split), so only where every sum has
     at most two terms, which add up the same in either order: each piece read at most twice, and
     the result read once at most beside the split (the user's gradient counted)."""
-    if split.target not in SPLIT_TARGETS or not pieces or any(len(piece.users) > 2 for piece in pieces):
+    def reads(value: torch.fx.Node, users) -> int:  # (``a * a`` reads ``a`` twice: two terms)
+        found: list[torch.fx.Node] = []
+        for user in users:
+            torch.fx.node.map_arg((user.args, user.kwargs), lambda arg: found.append(arg) if arg is value else None)
+        return len(found)
+
+    if split.target not in SPLIT_TARGETS or not pieces or any(reads(piece, piece.users) > 2 for piece in pieces):
         return False
-    others = [user for user in result.users if user is not split]
-    return len(others) + (result.name in outputs) <= 1
+    return reads(result, [user for user in result.users if user is not split]) + (result.name in outputs) <= 1
 
 
 def _piece(line: torch.fx.Node) -> tuple[int, int, int] | None:

@@ -427,6 +427,9 @@ SPLIT_RESULTS = [
             dtype=torch.float64),
     written([("tanh", [0]), ("chunk_mul", [1]), ("scale", [1]), ("cat_time", [2, 1])], [3, 4], seq=8, dim=16,
             input_requires_grad=True, seed=5),
+    # (the result also read three times by `a * a + a`: more than two terms, grouped as before)
+    written([("tanh", [0]), ("scale", [1]), ("chunk_mul", [1]), ("square_plus", [1])], [2, 3, 4], seq=8, dim=16,
+            dtype=torch.float64),
 ]
 
 
