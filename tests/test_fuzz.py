@@ -365,8 +365,9 @@ SLICED_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("program", SLICED_INPUTS, ids=range(len(SLICED_INPUTS)))
-def test_slices_of_an_input_hold_what_eager_holds(program):
+def _holds_what_eager_holds(program) -> None:
+    """The plan without recomputation predicted and measured at most eager's allocator peak,
+    measured within 16 B of its prediction; bitwise at 1.0 and 0.5 of eager's peak."""
     import copy
 
     from exactness import DotLoss, eager_peak, step_peak
@@ -386,6 +387,11 @@ def test_slices_of_an_input_hold_what_eager_holds(program):
     assert measured - none.plan.predicted_peak <= 16, (measured, none.plan.predicted_peak)
     for fraction in (1.0, 0.5):
         check_program(program, fraction, **GRID)
+
+
+@pytest.mark.parametrize("program", SLICED_INPUTS, ids=range(len(SLICED_INPUTS)))
+def test_slices_of_an_input_hold_what_eager_holds(program):
+    _holds_what_eager_holds(program)
 
 
 def test_contributions_through_a_view_of_the_input_alias_the_incoming_gradient():
@@ -435,24 +441,7 @@ SPLIT_RESULTS = [
 
 @pytest.mark.parametrize("program", SPLIT_RESULTS, ids=range(len(SPLIT_RESULTS)))
 def test_splits_of_a_result_read_by_two_nodes(program):
-    import copy
-
-    from exactness import DotLoss, eager_peak, step_peak
-    from random_models import make
-    from rockmate import Rockmate
-
-    model, x = make(program)
-    with torch.no_grad():
-        probe = copy.deepcopy(model)(x)
-    loss = DotLoss(probe)
-    eager = eager_peak(model, (x,), loss)
-    none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", cost_model="flops")
-    measured = step_peak(none, (x,), loss)
-    assert none.plan.predicted_peak <= eager and measured <= eager, (none.plan.predicted_peak, measured, eager,
-                                                                      program.source())
-    assert measured - none.plan.predicted_peak <= 16, (measured, none.plan.predicted_peak)
-    for fraction in (1.0, 0.5):
-        check_program(program, fraction, **GRID)
+    _holds_what_eager_holds(program)
 
 
 # side inputs on random programs (``max_block_nodes=3``: most programs get some), found by
