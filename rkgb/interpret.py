@@ -80,12 +80,10 @@ def eager_target(target):
     return EAGER_KERNELS.get(target, target)
 
 
-
-
 def batch_norm_updating(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """The functional batch norm's five results as eager makes them: the running statistics
-    updated in place by eager's kernel (see :data:`EAGER_KERNELS`), the buffers themselves returned as
-    their new values. The functional op updates copies of them (two tensors more, which eager
+    updated in place by eager's kernel (see :data:`EAGER_KERNELS`), the buffers themselves
+    returned as their new values. The functional op updates copies of them (two tensors more, which eager
     does not have); the normalized result, the saved statistics and the new running
     statistics are the same, bit for bit."""
     result, mean, rstd = _dispatched_batch_norm(input, weight, bias, running_mean, running_var, training,
