@@ -214,7 +214,8 @@ class ScheduleRepair:
         of its next use, a data node alive at the loss or at the peak; alone, or with the chain
         of its inputs that are not alive then) and keep a fitting one of least time, else the
         one that removes the most excess memory per second of recomputation. Then drop the
-        recomputations that the fit does not need.
+        recomputations that the fit does not need: of the removals that keep it fitting, the one
+        that saves the most time first, again until none fits.
         """
         budget = self.evaluations + self.max_evaluations
         scale = max(peak, save, 1.0)
@@ -251,15 +252,17 @@ class ScheduleRepair:
         improved = True
         while improved and self.evaluations < budget:
             improved = False
+            removals = []
             for t, extra in enumerate(current):
                 for k in extra:
                     smaller = [list(e) for e in current]
                     smaller[t].remove(k)
-                    move = self._lazy(smaller)
-                    new = self.evaluate(move)
-                    if new is not None and excess(new) == 0 and new.time_s < option.time_s:
-                        current, option, improved = move, new, True
-                        break
-                if improved:
+                    removals.append(self._lazy(smaller))
+            for move in sorted(dict.fromkeys(removals), key=self.time_of):
+                if self.time_of(move) >= option.time_s:
+                    break
+                new = self.evaluate(move)
+                if new is not None and excess(new) == 0:
+                    current, option, improved = move, new, True
                     break
         return self.computes_of(current), option
