@@ -199,10 +199,6 @@ def held_bytes(graph: SimplifiedGraph, model: nn.Module) -> int:
     return 0
 
 
-def _nbytes(value) -> int:
-    return tensor_bytes(value)
-
-
 def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accumulation: bool = True,
                     needs: dict | None = None) -> dict[str, tuple[FirstRun, ...]]:
     """What compute nodes allocate at their first run and the executor keeps to the end of the
@@ -232,7 +228,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         late = [name for name in node.buffer_updates if name not in graph.updates_written_at_once(node)]
         if late:
             lines = {line.name: line for line in node.lines}
-            size = sum(_nbytes(lines[name].meta["val"]) for name in late)
+            size = sum(tensor_bytes(lines[name].meta["val"]) for name in late)
             result.setdefault(cname(node.name, ComputeKind.FORWARD), []).append(
                 FirstRun(f"{node.name}.buffer_update", size, until_loss=True, in_overhead=True))
     # a view of a node's result made in each of its readers (rkgb.simplify, view groups): the
@@ -251,7 +247,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
             # a group summed at the size of its views (an expand's, exec.codegen), from the
             # first reader's backward to the view's place (by the base's backward at the latest),
             # beside the base's gradient that the CD-graph counts from then on
-            group = FirstRun(f"{base}.grad.views.{view}", _nbytes(chain[-1].meta["val"]),
+            group = FirstRun(f"{base}.grad.views.{view}", tensor_bytes(chain[-1].meta["val"]),
                              until=cname(base_node.name, ComputeKind.BACKWARD))
             for reader in view_readers:
                 result.setdefault(cname(reader.name, ComputeKind.BACKWARD), []).append(group)
@@ -262,7 +258,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
             for user in captured_lines[base].users)
         if not late:
             continue
-        group = FirstRun(f"{base}.grad.views.{view}", _nbytes(captured_lines[base].meta["val"]),
+        group = FirstRun(f"{base}.grad.views.{view}", tensor_bytes(captured_lines[base].meta["val"]),
                          until=cname(base_node.name, ComputeKind.BACKWARD))
         for reader in view_readers:
             result.setdefault(cname(reader.name, ComputeKind.BACKWARD), []).append(group)
@@ -281,7 +277,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         return cname(node.name, ComputeKind.BACKWARD) if node is not None else None
 
     for view, chain in summed_parameter_views(graph, trained).items():
-        total = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True,
+        total = FirstRun(input_grad_key(view), tensor_bytes(chain[-1].meta["val"]), accumulates=True,
                          until=delivery(view))
         for node in graph.nodes:
             if needs[node.name].requires_grad:
@@ -338,7 +334,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         roots: dict[str, list] = {}  # the summed groups (their first views) -> their readers
         summed_lines = {line.name for _, chain in summed.values() for line in chain}
         for view, (_, chain) in summed.items():
-            view_grad = FirstRun(input_grad_key(view), _nbytes(chain[-1].meta["val"]), accumulates=True,
+            view_grad = FirstRun(input_grad_key(view), tensor_bytes(chain[-1].meta["val"]), accumulates=True,
                                  until=delivery(chain[0].name))  # (the group is named by its first view)
             view_readers = [node for node in graph.nodes if any(line.name == view for line in node.prelude)]
             for node in view_readers:
@@ -523,7 +519,7 @@ def _repeated_outputs_transient(simplified: SimplifiedGraph, needs, global_requi
         else:
             gets_gradient = global_requires_grad.get(line.name, global_requires_grad.get(owner, False))
         if gets_gradient:
-            largest = max(largest, _nbytes(line.meta.get("val")))
+            largest = max(largest, tensor_bytes(line.meta.get("val")))
     return 2 * largest
 
 

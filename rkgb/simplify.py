@@ -842,10 +842,7 @@ def _split_summed_exactly(split: torch.fx.Node, pieces: list[torch.fx.Node], res
     at most two terms, which add up the same in either order: each piece read at most twice, and
     the result read once at most beside the split (the user's gradient counted)."""
     def reads(value: torch.fx.Node, users) -> int:  # (``a * a`` reads ``a`` twice: two terms)
-        found: list[torch.fx.Node] = []
-        for user in users:
-            torch.fx.node.map_arg((user.args, user.kwargs), lambda arg: found.append(arg) if arg is value else None)
-        return len(found)
+        return sum(arg is value for user in users for arg in _input_nodes(user))
 
     if split.target not in SPLIT_TARGETS or not pieces or any(reads(piece, piece.users) > 2 for piece in pieces):
         return False

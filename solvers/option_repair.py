@@ -258,8 +258,9 @@ class ScheduleRepair:
                     smaller = [list(e) for e in current]
                     smaller[t].remove(k)
                     removals.append(self._lazy(smaller))
-            for move in sorted(dict.fromkeys(removals), key=self.time_of):
-                if self.time_of(move) >= option.time_s:
+            timed = sorted(((self.time_of(move), move) for move in dict.fromkeys(removals)), key=lambda tm: tm[0])
+            for time_s, move in timed:
+                if time_s >= option.time_s:
                     break
                 new = self.evaluate(move)
                 if new is not None and excess(new) == 0:

@@ -16,21 +16,19 @@ from dataclasses import dataclass
 import torch
 
 from rkgb.cdgraph import parameter_sums
-from rkgb.memory import measure_allocator_peak
+from rkgb.memory import allocated_bytes, measure_allocator_peak, tensor_bytes
 
 __all__ = ["bitwise_equal", "DotLoss", "LOSS_BYTES", "loss_bytes", "CheckReport", "check_training", "eager_peak", "step_peak"]
 
 # the loss's own scalars (its dot products, their sum, the gradient of the sum), which the
 # test allocates beside the module's memory
 LOSS_BYTES = 64
-# on CUDA the caching allocator rounds every block up to 512 bytes: each scalar takes 512
-CUDA_BLOCK = 512
 
 
 def loss_bytes(device: torch.device) -> int:
     """The loss's own allocations beside the module's: :data:`LOSS_BYTES` on the CPU; on CUDA
-    the same eight scalars, each a 512-byte block of the caching allocator."""
-    return LOSS_BYTES if torch.device(device).type != "cuda" else LOSS_BYTES // 8 * CUDA_BLOCK
+    the same eight scalars, each a block of the caching allocator (:func:`allocated_bytes`)."""
+    return LOSS_BYTES // 8 * allocated_bytes(8, device)
 
 
 def _device_of(sample) -> torch.device:
@@ -84,11 +82,7 @@ class DotLoss:
     def copies(self, outputs) -> int:
         """Bytes that the loss's forward copies (reshapes of outputs that are not contiguous),
         as the allocator rounds them on CUDA."""
-        def block(o):
-            size = o.numel() * o.element_size()
-            return -(-size // CUDA_BLOCK) * CUDA_BLOCK if o.is_cuda else size
-
-        return sum(block(o) for o, w in zip(_flat(outputs), self.weights)
+        return sum(tensor_bytes(o) for o, w in zip(_flat(outputs), self.weights)
                    if w is not None and o.requires_grad and not o.is_contiguous())
 
 
