@@ -31,6 +31,7 @@ import io
 import logging
 import operator
 import os
+import re
 import sys
 import warnings
 import weakref
@@ -779,46 +780,177 @@ def _eager_paths():
     nothing compiles, so that the graph is eager's."""
     patched = []
     for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("transformers") and \
-                callable(getattr(module, "is_torchdynamo_compiling", None)):
-            patched.append((module, module.is_torchdynamo_compiling))
-            module.is_torchdynamo_compiling = _not_compiling
+        if not getattr(module, "__name__", "").startswith("transformers"):
+            continue
+        for name, replacement in _NOT_TRACING.items():
+            # the module's own attributes only: transformers' lazy modules import a submodule on
+            # a missing attribute (5.x: an image processor importing torchvision)
+            found = getattr(module, "__dict__", {}).get(name)
+            if callable(found):
+                patched.append((module, name, found))
+                setattr(module, name, replacement)
     try:
         yield patched
     finally:
-        for module, original in patched:
-            module.is_torchdynamo_compiling = original
+        for module, name, original in patched:
+            setattr(module, name, original)
 
 
 def _not_compiling() -> bool:
     return False
 
 
+def _not_tracing(tensor=None) -> bool:
+    return False
+
+
+# transformers' tests for a compiler: ``is_torchdynamo_compiling()``, and (5.x) ``is_tracing(tensor)``,
+# also true for a fake tensor (every tensor under export)
+_NOT_TRACING = {"is_torchdynamo_compiling": _not_compiling, "is_tracing": _not_tracing}
+
+
 def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringIO):
-    """``torch.export.export`` (non-strict) along eager's code paths (:func:`_eager_paths`);
-    where those branch on tensor values that export cannot follow (transformers' check that a
-    mask is all ones, which its compile paths skip: BERT, BART, OPT...), along the paths that
-    transformers takes under a compiler, which export was made for."""
+    """``torch.export.export`` (non-strict) along eager's code paths (:func:`_eager_paths`).
+
+    Where those branch on tensor values that export cannot follow, the branch is taken as eager
+    takes it on the sample (export's real-tensor propagation, which leaves a runtime assertion of
+    the branch in the graph) when the values depend on no input, parameter, buffer or constant
+    of the model, only on the shapes (transformers 5's test for packed sequences, on position ids
+    made by ``arange``: eager then attends with ``is_causal`` where the compiled path builds a
+    mask, another kernel and other gradient bits): the same branch for every call of these
+    shapes, and a plan is made per shape. Otherwise (transformers' check that an attention mask is
+    all ones: BERT, BART, OPT...), along the paths that transformers takes under a compiler,
+    which export was made for, right for any values."""
     with _eager_paths() as patched:
-        if not patched:
-            return _export_quietly(model, args)
         mark = printed.tell()
         try:
             return _export_quietly(model, args)
-        except GuardOnDataDependentSymNode:  # retried below
-            printed.seek(mark)  # the forward runs again: print its output once
-            printed.truncate()
+        except GuardOnDataDependentSymNode as error:
+            data_dependent = error
+        printed.seek(mark)  # the forward runs again: print its output once
+        printed.truncate()
+        exported = _export_taking_shape_branches(model, args)
+        if exported is not None:
+            return exported
+        printed.seek(mark)
+        printed.truncate()
+        if not patched:
+            raise data_dependent
     return _export_quietly(model, args)
 
 
-def _export_quietly(model: nn.Module, args: tuple):
+def _export_taking_shape_branches(model: nn.Module, args: tuple):
+    """The export with the branches on tensor values taken as eager takes them on the sample,
+    where those values depend on the shapes alone (:func:`_export_along_eager_paths`), else None."""
+    decisions = _RealValueDecisions()
+    try:
+        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True), decisions:
+            exported = _export_quietly(model, args, shapes_logger=decisions.QUIETED)
+    except Exception:  # noqa: BLE001 the branches taken on the sample failed too: the caller goes on as before
+        return None
+    if not decisions.symbols or not _decided_by_shapes(exported.graph, decisions.symbols):
+        return None
+    drop_value_branches(exported.graph)
+    return exported
+
+
+class _RealValueDecisions(logging.Handler):
+    """The unbacked symbols (values of tensors) that export decided a branch on from the real
+    values while the block runs (its log of real-tensor propagation, kept from the user's
+    stderr)."""
+
+    _LOGGER = "torch.fx.experimental.symbolic_shapes"
+    QUIETED = "rkgb.capture.none"  # (:func:`_export_quietly` leaves the logger above to this handler)
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.symbols: set = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("propagate_real_tensors") and record.args:
+            self.symbols |= set(getattr(record.args[0], "free_symbols", ()))
+
+    def __enter__(self):
+        logger = logging.getLogger(self._LOGGER)
+        self._saved = logger.level, logger.propagate, logger.handlers
+        logger.setLevel(logging.WARNING)
+        logger.propagate, logger.handlers = False, [self]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger(self._LOGGER)
+        logger.level, logger.propagate, logger.handlers = self._saved
+
+
+def _decided_by_shapes(graph: torch.fx.Graph, symbols: set) -> bool:
+    """Every value in ``symbols`` (export's unbacked symbols) asserted by a node of ``graph``
+    (the runtime assertion that real-tensor propagation leaves for a branch it took), and those
+    assertions computed only from what the shapes determine: from no placeholder (input,
+    parameter, buffer, constant), no random draw and no uninitialized memory. A decision that no
+    assertion records is not known to depend on the shapes alone."""
+    asserts = [node for node in graph.nodes if node.target is _ASSERT_SCALAR]
+    messages = " ".join(str(node.args[1:]) for node in asserts)
+    if not all(re.search(rf"\b{re.escape(str(symbol))}\b", messages) for symbol in symbols):
+        return False
+    return not _undetermined_sources(_ancestors(asserts))
+
+
+_ASSERT_SCALAR = torch.ops.aten._assert_scalar.default
+
+
+def _ancestors(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """``nodes`` and every node they are computed from."""
+    closure: dict[torch.fx.Node, None] = {}
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in closure:
+            closure[node] = None
+            stack.extend(node.all_input_nodes)
+    return list(closure)
+
+
+def _undetermined_sources(nodes: list[torch.fx.Node]) -> list[str]:
+    """The nodes among ``nodes`` whose values the shapes do not determine: placeholders (inputs,
+    parameters, buffers, constants), random draws (a LayerDrop's ``torch.rand([])``) and
+    uninitialized memory."""
+    return [node.name for node in nodes
+            if node.op == "placeholder" or (node.op == "call_function" and _undetermined(node.target))]
+
+
+def _undetermined(target) -> bool:
+    """An operation whose result is not a function of its arguments' shapes and values."""
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags or torch.Tag.nondeterministic_bitwise in tags or \
+        getattr(getattr(target, "overloadpacket", None), "__name__", "") in _UNINITIALIZED
+
+
+_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+def drop_value_branches(graph: torch.fx.Graph) -> int:
+    """Erase the runtime assertions that export's real-tensor propagation leaves for the branches
+    it took, and the nodes that only they read (the branches depend on the shapes alone and a
+    plan is made per shape: they hold for every call it runs); returns how many nodes were
+    erased."""
+    closure = set(_ancestors([node for node in graph.nodes if node.target is _ASSERT_SCALAR]))
+    erased = 0
+    for node in reversed([node for node in graph.nodes if node in closure]):
+        if node.op != "placeholder" and not node.users:
+            graph.erase_node(node)
+            erased += 1
+    return erased
+
+
+def _export_quietly(model: nn.Module, args: tuple, shapes_logger: str = "torch.fx.experimental.symbolic_shapes"):
     """``torch.export.export`` (non-strict), whose stderr is held back where it fails on a
     data-dependent value: torch then prints a warning and the graph traced so far (tens of
     lines: about 90 on XLM-R's all-ones mask check), where the attempt is retried along other
-    paths or the CaptureError that follows repeats torch's reason and the user's line."""
+    paths or the CaptureError that follows repeats torch's reason and the user's line.
+    ``shapes_logger``: the logger quieted (another name: the caller keeps it)."""
     torch_said = io.StringIO()
     try:
-        with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(torch_said):
+        with _quiet_logger(shapes_logger), contextlib.redirect_stderr(torch_said):
             exported = torch.export.export(model, args, strict=False)
     except GuardOnDataDependentSymNode:
         raise
@@ -1112,6 +1244,15 @@ def _chain_batch_norm_statistics(graph: torch.fx.Graph, buffers: dict[str, str],
 
 
 def capture(model: nn.Module, sample) -> CapturedGraph:
+    """Export ``model`` on ``sample`` (non-strict) and functionalize the graph
+    (:func:`_capture`), leaving the user's random generators where they were: export runs the
+    forward (real draws where a branch is taken on the sample: :func:`_export_along_eager_paths`)."""
+    device = device_of(model, as_input_tuple(sample))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _capture(model, sample)
+
+
+def _capture(model: nn.Module, sample) -> CapturedGraph:
     """Export ``model`` on ``sample`` (non-strict) and functionalize the graph.
 
     What the forward prints while it is traced is written to ``sys.stdout`` as it would have

@@ -9,6 +9,7 @@ autograd semantics users rely on (``torch.autograd.grad``, hooks, ``create_graph
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -401,6 +402,62 @@ def test_layerdrop_at_zero_is_decided_at_capture_and_exact():
     with pytest.raises(CaptureError, match=r"(?s)data-dependent.*branches on a random draw lt 0\.1 .*drop "
                                            r"probability to 0"):
         Rockmate(_LayerDrop(0.1), x, "1GB")
+
+
+class _CausalUnlessPacked(nn.Module):
+    """transformers 5's test for packed sequences: position ids made by ``arange`` (from the
+    shapes alone), then ``if (packed[:, -1] == 0).all()``, a branch on tensor values that export
+    cannot follow; eager attends with ``is_causal`` where the compiled path builds a mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        packed = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        q, k, v = self.qkv(F.dropout(x, 0.1, self.training)).unsqueeze(1).chunk(3, dim=-1)
+        if (packed[:, -1] == 0).all():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril() & (packed[:, None, :, None] == packed[:, None, None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_branch_on_values_that_the_shapes_determine_is_eagers():
+    """Taken as eager takes it on the sample (export's real-tensor propagation; its runtime
+    assertion dropped: a plan is made per shape), exact at the minimum. The same branch on the
+    input's values stays a CaptureError (test_misuse), and on a random draw (the LayerDrop above).
+    The capture's real draws leave the user's generator where it was."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16)
+    check_training(_CausalUnlessPacked(), (x,), 0.0, at_minimum=True)
+    model, before = _CausalUnlessPacked(), torch.get_rng_state()
+    code = Rockmate(model, x, "1GB", solver="none").code
+    assert torch.equal(torch.get_rng_state(), before)
+    assert re.search(r"scaled_dot_product_attention\.default\(\w+, \w+, \w+, None, 0\.0, True\)", code)
+    assert "_assert_scalar" not in code and "cumsum" not in code
+
+
+def test_eager_paths_leave_lazy_attributes_alone(monkeypatch):
+    """transformers 5's lazy modules import a submodule on a missing attribute (an image processor
+    importing torchvision, absent here): only the attributes a module has are replaced."""
+    import sys
+    import types
+
+    from rkgb.capture import _eager_paths
+
+    class Lazy(types.ModuleType):
+        def __getattr__(self, name):
+            raise ImportError(f"importing {name}")
+
+    lazy, utils = Lazy("transformers._lazy_probe"), types.ModuleType("transformers._utils_probe")
+    utils.is_tracing = lambda tensor=None: True
+    monkeypatch.setitem(sys.modules, lazy.__name__, lazy)
+    monkeypatch.setitem(sys.modules, utils.__name__, utils)
+    original = utils.is_tracing
+    with _eager_paths():
+        assert utils.is_tracing(torch.zeros(1)) is False
+    assert utils.is_tracing is original
 
 
 class _ShiftRight(nn.Module):
