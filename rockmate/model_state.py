@@ -78,10 +78,38 @@ class ModelState:
                     return path, kind[1:].replace("_", " ")
         return None
 
+    def __post_init__(self) -> None:
+        # what :meth:`_as_built` compares at each call (the identities of what the build saw)
+        self._children = [(module._modules, dict(module._modules)) for module in self.modules.values()]
+        self._attributes = [(vars(self.modules[path]), name, value) for (path, name), value in self.values.items()]
+        self._tensors = [(tensors, name, tensor, tuple(tensor.shape))
+                         for module in self.modules.values()
+                         for tensors in (module._parameters, module._buffers)
+                         for name, tensor in tensors.items() if tensor is not None]
+
+    def _as_built(self) -> bool:
+        """Every module, attribute and tensor the one the build saw, of the same value and shape
+        (a sufficient test, in one pass without walking the module tree: the compiled module's
+        guard at each call; :meth:`changed` tells what differs where it fails)."""
+        for children, then in self._children:
+            if len(children) != len(then) or any(children.get(name) is not child for name, child in then.items()):
+                return False
+        missing = object()
+        for attributes, name, value in self._attributes:
+            now = attributes.get(name, missing)
+            if now is not value and not _same(value, _frozen(now)):
+                return False
+        for tensors, name, tensor, shape in self._tensors:
+            if tensors.get(name) is not tensor or tensor.shape != shape:
+                return False
+        return True
+
     def changed(self) -> list[tuple[str, object, object]]:
         """What differs now from the build: (what, then, now) for each attribute with another
         value, each module replaced, added or removed, each parameter or buffer of another
         shape."""
+        if self._as_built():
+            return []
         changes: list[tuple[str, object, object]] = []
         now_modules = dict(self.model.named_modules(remove_duplicate=True))
         for path in self.modules.keys() | now_modules.keys():

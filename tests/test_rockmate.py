@@ -213,6 +213,31 @@ class _Tempered(torch.nn.Module):
         return self.head(self.dropout(self.act(self.linear(x)) * self.scale)) / self.temperature
 
 
+def test_the_model_state_guard_sees_every_change_the_full_comparison_sees():
+    """The guard the compiled module runs at each call (``ModelState._as_built``: identities,
+    without walking the module tree) against the full comparison, on each kind of change: a
+    list attribute changed in place, a submodule added, replaced or removed, a parameter
+    replaced by one of another shape or given data of another shape, a buffer removed."""
+    from rockmate.model_state import ModelState
+
+    def model():
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        net[0].sizes = [4, 4]
+        net.register_buffer("steps", torch.zeros(()))
+        return net
+
+    changes = [lambda m: m[0].sizes.append(8), lambda m: m.add_module("extra", torch.nn.ReLU()),
+               lambda m: m.__setitem__(1, torch.nn.GELU()), lambda m: delattr(m, "1"),
+               lambda m: setattr(m[0], "weight", torch.nn.Parameter(torch.zeros(5, 4))),
+               lambda m: setattr(m[0].weight, "data", torch.zeros(2, 8)), lambda m: delattr(m, "steps")]
+    for change in changes:
+        net = model()
+        state = ModelState.of(net)
+        assert state._as_built() and state.changed() == []
+        change(net)
+        assert not state._as_built() and state.changed(), change
+
+
 def test_new_values_of_python_attributes_are_planned_again(monkeypatch):
     """A temperature or a dropout's p changed after building trained silently on the build's
     value (export holds them as constants); a tensor attribute replaced, on the old tensor. Now
