@@ -165,15 +165,6 @@ class _Generator:
         self.recomputed = {name for name, count in counts.items() if count > 1}
         self.has_graph: set[str] = set()  # nodes with an unconsumed autograd island
         self.local_values: dict[str, str] = {}  # fx name -> local expression (prelude values)
-        self.island_names: dict[str, str] = {}
-        taken = set(graph.owner) | {n.name for n in graph.captured.graph.nodes}
-        for info in infos.values():
-            for out in info.exported:
-                name = "_" + out
-                while name in taken:
-                    name = "_" + name
-                taken.add(name)
-                self.island_names[out] = name
         self.buffer_updates: list[tuple[str, str]] = []  # (buffer global, local value)
         # buffers the step updates that a node recomputed in the backward phase reads: copied
         # when the forward ends, before the update, and read from the copy afterwards
@@ -226,9 +217,9 @@ class _Generator:
         # exported views in a node's body whose gradient joins the result's where eager runs
         # the view's backward: view -> the node (see _result_views_made_late)
         self.late_result_views = _result_views_made_late(graph, infos, self.merged)
-        # the island outputs whose gradient edge the backward reads apart (a late view's, its
-        # base's: view_gradient); the others' backwards run from their island's handoff root
-        self.edge_outputs = set(self.late_result_views) | set(self.late_result_views.values())
+        # late views -> the views of them that the node exports too (see _views_of_late_views)
+        self.late_view_views = _views_of_late_views(graph, infos, self.late_result_views)
+        self.body_lines = {line.name: line for node in graph.nodes for line in node.body}
 
     # -- expressions ---------------------------------------------------------------------
     def bind(self, value: Any, hint: str) -> str:
@@ -332,13 +323,15 @@ class _Generator:
                     # adds after it: Mamba's first layers' gradients 1 ulp off)
                     w("flush_gradients()  # the view's gradient may be waiting")
                     self.contributions_waiting = False
-                # the view's gradient, summed in its own sink, through the view's backward
-                # (no allocation: a reshape, a transpose) into the result's gradient
+                # the view's gradient, summed in its own sink, with those of the views of it that
+                # the node exports (eager adds them into the view's buffer first: their backwards
+                # run before the view's), through the views' backwards (no allocation: a reshape,
+                # a transpose), made again from the result's leaf (the node's island may not be
+                # made yet: a forward without grad, recomputed later), into the result's gradient
                 base = self.late_result_views[view]
-                w(f"if s.{view}.grad is not None:")
-                w(f"    view_gradient(s.{self.island_names[view]}, s.{self.island_names[base]}, s.{view}.grad, "
-                  f"s.sink_{base})")
-                w(f"    s.{view}.grad = None")
+                views = [view] + self.late_view_views.get(view, [])
+                function = self.bind(_ViewsOfBase(base, [self.body_lines[v] for v in views]), "views")
+                w(f"late_views_gradient(s.{base}, {function}, {self.tuple(f's.{v}' for v in views)}, s.sink_{base})")
 
     def split_reads(self, w: _Writer, node: SimplifiedNode) -> dict[str, list[str]]:
         """Aliases for the leaves an island reads more than once (see
@@ -576,9 +569,6 @@ class _Generator:
                 w.comment(f"{self.merged[name]} reads these outputs: one island with it")
             else:
                 grad_outputs = [out for out in exported if info.exported_requires_grad[out]]
-                for out in grad_outputs:
-                    if out in self.edge_outputs:
-                        w(f"s.{self.island_names[out]} = gradient_edge({out})")
                 if grad_outputs:  # the root of its backward (rkgb.gradsink.handoff)
                     w(f"s._handoff_{name} = handoff{self.tuple(grad_outputs)}")
             self.has_graph.add(name)
@@ -639,9 +629,6 @@ class _Generator:
             # the gradients go to the engine alone, which frees each once used, as eager's does
             w(f"handoff_backward(s._handoff_{name}, {self.tuple(f's.{o}' for o in outs)})")
             w(f"s._handoff_{name} = None")
-        for out in outs:
-            if out in self.edge_outputs:
-                w(f"s.{self.island_names[out]} = None")
         # its contributions join the next gradients when the next compute starts, after the
         # forgets that follow it (the incoming gradient, the saved tensors): as eager's engine
         self.contributions_waiting = True
@@ -875,7 +862,7 @@ def _result_views_made_late(graph: SimplifiedGraph, infos: dict[str, "NodeInfo"]
     with the node's own, after every reader of the result: ``h = lin(x); return h * h,
     h.view(...)`` sums ``(g_mul0 + g_mul1) + g_view`` where eager sums ``(g_view + g_mul0) +
     g_mul1``. The executor passes such a view's gradient through the view's backward alone
-    (``exec.runtime._view_gradient``) at the view's place in the backward. Only views whose
+    (``exec.runtime._late_views_gradient``) at the view's place in the backward. Only views whose
     backward allocates nothing (a reshape, a transpose): the plan counts the view's gradient until
     the node's backward, and it becomes the result's gradient's storage sooner."""
     position = {n.name: i for i, n in enumerate(graph.captured.graph.nodes)}
@@ -904,6 +891,29 @@ def _result_views_made_late(graph: SimplifiedGraph, infos: dict[str, "NodeInfo"]
             if early:
                 late[out] = base.name
     return late
+
+
+def _views_of_late_views(graph: SimplifiedGraph, infos: dict[str, "NodeInfo"],
+                         late: dict[str, str]) -> dict[str, list[str]]:
+    """For each late view (:func:`_result_views_made_late`), the views of it (or of those, in
+    body order) that its node also exports, requiring grad and not late themselves (Mamba's
+    ``u = x.transpose(1, 2)`` read late, and ``u[..., None]``): eager adds their gradients into
+    the late view's buffer (their backwards run before the view's) and passes the sum on at the
+    view's place; passing the view's gradient alone there left theirs for the node's backward,
+    summed in another order."""
+    holder = {line.name: node for node in graph.nodes for line in node.lines}
+    found: dict[str, list[str]] = {}
+    for view in late:
+        node = holder[view]
+        info = infos[node.name]
+        family = {view}
+        for line in node.body:
+            if line.name in info.exported and line.name not in late and info.exported_requires_grad.get(line.name) \
+                    and getattr(line.target, "__name__", "").split(".")[0] in _REVIEWING_VIEWS \
+                    and isinstance(line.args[0], torch.fx.Node) and line.args[0].name in family:
+                family.add(line.name)
+                found.setdefault(view, []).append(line.name)
+    return found
 
 
 def _group_argument(view: torch.fx.Node, lines) -> str:
@@ -983,6 +993,25 @@ def generate(
         globals=namespace,
         global_names={name: name for name in generator.global_placeholders},
     )
+
+
+class _ViewsOfBase:
+    """Views made from one base, each of it or of one made before it (a late view and the
+    views of it its node exports: :func:`_views_of_late_views`), as a function of the base."""
+
+    def __init__(self, base: str, lines: list[torch.fx.Node]) -> None:
+        self.base = base
+        self.lines = [(line.name, line.target, line.args, line.kwargs) for line in lines]
+
+    def __call__(self, base: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values = {self.base: base}
+        for name, target, args, kwargs in self.lines:
+            args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda node: values[node.name])
+            values[name] = target(*args, **kwargs)
+        return tuple(values[name] for name, *_ in self.lines)
+
+    def __repr__(self) -> str:
+        return f"<views of {self.base}: {', '.join(name for name, *_ in self.lines)}>"
 
 
 class _ViewChain:

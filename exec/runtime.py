@@ -57,11 +57,25 @@ def _run_backward(tensors: tuple, grads: tuple) -> None:
     _engine.run_backward(tensors, grads, False, False, (), True, True)
 
 
-def _view_gradient(view_edge, base_edge, grad: torch.Tensor, sink) -> None:
-    """Pass a view's gradient through the view's backward alone (stopping at the result it views)
-    into the result's gradient sink: where eager's engine runs the view's backward, before the
-    nodes made before the view (``exec.codegen._result_views_made_late``)."""
-    (base_grad,) = _engine.run_backward((view_edge,), (grad,), False, False, (base_edge,), True, False)
+def _late_views_gradient(base: torch.Tensor, views_of, leaves: tuple[torch.Tensor, ...], sink) -> None:
+    """Pass late views' gradients (``leaves``' ``.grad``, cleared) through the views' backwards
+    alone into the gradient sink of the result they view (``base``'s leaf): where eager's engine
+    runs the view's backward, before the nodes made before the view
+    (``exec.codegen._result_views_made_late``). The views are made again by ``views_of`` from an
+    alias of the base (its data or its placeholder: a view's backward reads no data), their
+    gradients handed over by a :func:`rkgb.gradsink.handoff` root so that the engine's buffers own
+    them (added in place, in the engine's order, as eager's are)."""
+    grads = tuple(leaf.grad for leaf in leaves)
+    if all(grad is None for grad in grads):
+        return
+    for leaf in leaves:
+        leaf.grad = None
+    with torch.enable_grad():
+        alias = base.detach().requires_grad_()
+        root = handoff(*views_of(alias))
+    root.grad_fn.pending = grads
+    del grads
+    (base_grad,) = _engine.run_backward((root,), (root.detach(),), False, False, (alias,), True, False)
     sink((base_grad,))
 
 
@@ -358,8 +372,7 @@ class _Runner:
             "backward_outputs": _backward_outputs,
             "handoff": handoff,
             "handoff_backward": handoff_backward,
-            "view_gradient": _view_gradient,
-            "gradient_edge": get_gradient_edge,
+            "late_views_gradient": _late_views_gradient,
             "no_grad": torch.no_grad,
             "grad_sink": GradSink,
             "parameter_sink": ParameterSink,

@@ -1120,6 +1120,28 @@ def _check_batch_norm_momentum(model: nn.Module) -> None:
 MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+def module_hooks(module: nn.Module, kind: str) -> list:
+    """The hooks of ``kind`` (one of :data:`MODULE_HOOKS`) on ``module`` whose effect the captured
+    graph would miss. Left out, transformers 5's: ``output_capturing_hook`` (installed at the
+    first call of a model that records its layers' outputs, ``output_hidden_states=True``: it
+    appends a layer's output to a list that the forward returns, an effect the export captures),
+    and ``make_inputs_require_grads`` (registered on the input embeddings by
+    ``gradient_checkpointing_enable()``: ``output.requires_grad_(True)``) where the module's
+    parameters all require grad (its output requires grad already)."""
+    hooks = getattr(module, kind, None) or {}
+    if kind != "_forward_hooks" or not hooks:
+        return list(hooks)
+    trained = all(p.requires_grad for p in module.parameters(recurse=True))
+
+    def captured(hook) -> bool:
+        if not getattr(hook, "__module__", "").startswith("transformers"):
+            return False
+        name = getattr(hook, "__name__", "")
+        return name == "output_capturing_hook" or (trained and name == "make_inputs_require_grads")
+
+    return [key for key, hook in hooks.items() if not captured(hook)]
+
+
 def _check_no_module_hooks(model: nn.Module) -> None:
     """Raise :class:`CaptureError` if a module has forward or backward hooks.
 
@@ -1137,7 +1159,7 @@ def _check_no_module_hooks(model: nn.Module) -> None:
             )
     for path, module in model.named_modules():
         for kind in MODULE_HOOKS:
-            if getattr(module, kind, None):
+            if module_hooks(module, kind):
                 where = f"module {path!r} ({type(module).__name__})" if path else f"the model ({type(module).__name__})"
                 raise CaptureError(
                     f"{where} has {kind[1:].replace('_', ' ')}: Rockmate runs the captured graph, not the "

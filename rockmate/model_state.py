@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from rkgb.capture import MODULE_HOOKS
+from rkgb.capture import MODULE_HOOKS, module_hooks
 
 __all__ = ["ModelState"]
 
@@ -74,7 +74,7 @@ class ModelState:
         which refuses them) and the kind: (path, kind), or None."""
         for path, module in self.modules.items():
             for kind in MODULE_HOOKS:
-                if getattr(module, kind, None):
+                if getattr(module, kind, None) and module_hooks(module, kind):
                     return path, kind[1:].replace("_", " ")
         return None
 

@@ -361,6 +361,34 @@ def test_module_hooks_registered_after_building_are_a_clear_error():
     assert calls == ["compiled", "compiled"]
 
 
+
+def _transformers_hook(name: str):
+    """A hook named as one of transformers 5's (rkgb.capture.module_hooks)."""
+    def hook(module, inputs, output):
+        if name == "make_inputs_require_grads":
+            output.requires_grad_(True)
+    hook.__name__, hook.__module__ = name, "transformers.modeling_utils"
+    return hook
+
+
+def test_transformers_hooks_whose_effect_the_graph_holds_are_allowed():
+    """transformers 5 registers ``make_inputs_require_grads`` on the input embeddings at
+    ``gradient_checkpointing_enable()`` (a no-op where the embeddings are trained) and
+    ``output_capturing_hook`` on the layers at a first call recording their outputs (an effect
+    on what the forward returns, which the export captures): built and trained as eager, before
+    or after the build; on frozen embeddings, ``make_inputs_require_grads`` changes what requires
+    grad: refused, as any hook."""
+    model, reference = _mlp(), _mlp()
+    model[0].register_forward_hook(_transformers_hook("make_inputs_require_grads"))
+    compiled = _compiled(model)
+    model[3].register_forward_hook(_transformers_hook("output_capturing_hook"))
+    _same_training(compiled, model, reference, X)
+    frozen = _mlp()
+    frozen[0].requires_grad_(False)
+    frozen[0].register_forward_hook(_transformers_hook("make_inputs_require_grads"))
+    with pytest.raises(CaptureError, match=r"module '0' \(Linear\) has forward hooks"):
+        _compiled(frozen)
+
 class _MaskedSelection(nn.Module):
     def __init__(self) -> None:
         super().__init__()
