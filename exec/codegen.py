@@ -33,8 +33,8 @@ import torch
 import torch.fx
 
 from rkgb.functions import applied_function
-from rkgb.interpret import EAGER_KERNELS, GRAD_MODE_NUMERICS, batch_norms_in_place, tensor_args
-from rkgb.simplify import (SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, parameter_gradient_sources,
+from rkgb.interpret import EAGER_KERNELS, GRAD_MODE_NUMERICS, REQUIRES_GRAD_DISPATCH, batch_norms_in_place, tensor_args
+from rkgb.simplify import (NO_GRADIENT, SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, parameter_gradient_sources,
                            split_of_view, summed_input_views, summed_parameter_views, summing_view_chain)
 from solvers.schedule import Compute, Forget, Schedule
 
@@ -211,6 +211,7 @@ class _Generator:
         # views of trained parameters made once, whose backward sums, read by several nodes:
         # a group each, its sum through the views' backward into the parameter's gradient
         self.parameter_views = summed_parameter_views(graph, trained_parameters)
+        self.trained_parameters = set(trained_parameters)
         self.view_groups |= set(self.parameter_views)
         self.view_functions: dict[str, str] = {}  # group -> the global name of its views' function
         self.delivered_groups: set[str] = set()
@@ -280,6 +281,27 @@ class _Generator:
         args = [self.expr(a, ref) for a in fx_node.args]
         args += [f"{k}={self.expr(v, ref)}" for k, v in fx_node.kwargs.items()]
         return f"{function}({', '.join(args)})"
+
+    def requiring_grad_in_eager(self, node: SimplifiedNode) -> set[str]:
+        """The fx names, among ``node``'s lines and what they read, of the floating-point values
+        that require grad in eager: the trained parameters, the inputs that require grad, the
+        exported tensors of other nodes that get a gradient, and what lines compute from them
+        (:func:`rkgb.simplify.gradient_needs`, line by line)."""
+        requiring = {name for name in self.trained_parameters}
+        requiring |= {name for name, flag in zip(self.input_names, self.input_requires_grad) if flag}
+        for view in self.graph.global_views:
+            if any(arg.name in requiring for arg in view.all_input_nodes):
+                requiring.add(view.name)
+        for info in self.infos.values():
+            requiring |= {name for name, flag in info.exported_requires_grad.items() if flag}
+        for line in node.lines:
+            if line.target in NO_GRADIENT:
+                continue
+            value = line.meta.get("val")
+            if isinstance(value, torch.Tensor) and value.is_floating_point() \
+                    and any(arg.name in requiring for arg in line.all_input_nodes):
+                requiring.add(line.name)
+        return requiring
 
     def function(self, fx_node: torch.fx.Node) -> str:
         """Python source of the function that ``fx_node`` calls (an aten op by its name)."""
@@ -541,6 +563,11 @@ class _Generator:
             if not with_grad and info.requires_grad and line.target in GRAD_MODE_NUMERICS:
                 # eager runs it with grad: its kernel's values (rkgb.interpret.in_grad_mode)
                 function = f"in_grad_mode({self.function(line)})"
+            elif not with_grad and info.requires_grad and line.target in REQUIRES_GRAD_DISPATCH:
+                # its kernel as eager picks it (rkgb.interpret.with_eager_requires_grad)
+                requiring = self.requiring_grad_in_eager(node)
+                flags = tuple(arg.name in requiring for arg in tensor_args(line))
+                function = f"with_eager_requires_grad({self.function(line)}, {flags})"
             w(f"{line.name} = {self.call(line, reads.get(line.name), function)}")
             self.local_values[line.name] = line.name
             local_names.append(line.name)

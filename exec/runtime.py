@@ -22,7 +22,7 @@ from torch.autograd.graph import get_gradient_edge
 from rkgb.capture import as_input_tuple
 from rkgb.cdgraph import LOSS_NAME, DataKind, data_name, parameter_sums
 from rkgb.gradsink import GradientQueue, GradSink, ParameterSink, accumulate, handoff, handoff_backward
-from rkgb.interpret import batch_norm_not_updating, batch_norm_updating, in_grad_mode
+from rkgb.interpret import batch_norm_not_updating, batch_norm_updating, in_grad_mode, with_eager_requires_grad
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
 from solvers.schedule import Compute, Schedule
@@ -378,6 +378,7 @@ class _Runner:
             "parameter_sink": ParameterSink,
             "batch_norm_updating": batch_norm_updating,
             "in_grad_mode": in_grad_mode,
+            "with_eager_requires_grad": with_eager_requires_grad,
             "batch_norm_not_updating": batch_norm_not_updating,
             # a plan that counts the shared parameters' sums (grad_accumulation=True), or a
             # module without a plan's first-run memory, sums apart; another refuses to

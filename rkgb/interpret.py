@@ -14,7 +14,8 @@ from .simplify import SimplifiedGraph, SimplifiedNode
 
 __all__ = ["run_lines", "tensor_args", "initial_environment", "global_requires_grad", "run_simplified_forward",
            "batch_norm_updating", "batch_norm_not_updating", "batch_norms_in_place", "inspected_targets",
-           "GRAD_MODE_NUMERICS", "in_grad_mode", "EAGER_KERNELS", "eager_target"]
+           "GRAD_MODE_NUMERICS", "in_grad_mode", "EAGER_KERNELS", "eager_target", "REQUIRES_GRAD_DISPATCH",
+           "with_eager_requires_grad"]
 
 
 def run_lines(lines: Iterable[torch.fx.Node], env: dict[str, object], targets: dict | None = None) -> None:
@@ -139,6 +140,35 @@ def in_grad_mode(op):
         if isinstance(results, torch.Tensor):
             return results.detach()
         return type(results)(value.detach() if isinstance(value, torch.Tensor) else value for value in results)
+    return run
+
+
+# operations whose kernel depends on which of their inputs require grad: on CPU, scaled dot
+# product attention takes its fused (flash) kernel unless the attention mask requires grad (a
+# relative position bias: Swin), where it takes the math one, whose values differ in the last
+# bits; CUDA's backend choice reads its inputs' requires_grad too
+REQUIRES_GRAD_DISPATCH = frozenset({_aten.scaled_dot_product_attention.default})
+
+
+def with_eager_requires_grad(op, requires: tuple[bool, ...]):
+    """``op`` with its tensor arguments (in :func:`tensor_args` order) requiring grad as in
+    eager (``requires``), run with grad, its result detached: a plan's forward without grad of
+    a node that eager runs with grad, whose operation picks its kernel from that
+    (:data:`REQUIRES_GRAD_DISPATCH`), computes eager's values. The arguments are detached aliases
+    (no copy); the graph recorded is dropped with the result's."""
+    def run(*args, **kwargs):
+        flags = iter(requires)
+
+        def as_in_eager(value):
+            if isinstance(value, torch.Tensor):
+                wanted = next(flags)
+                return value.detach().requires_grad_(wanted and value.is_floating_point())
+            return value
+
+        args = [as_in_eager(value) for value in args]
+        kwargs = {key: as_in_eager(value) for key, value in kwargs.items()}
+        with torch.enable_grad():
+            return op(*args, **kwargs).detach()
     return run
 
 

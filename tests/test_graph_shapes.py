@@ -491,6 +491,37 @@ def test_a_late_view_and_a_view_of_it_join_the_result_as_eagers_buffer_sums_them
         check_training(_LateViewOfAView(), (x,), fraction, at_minimum=True, tolerance=0.2)
 
 
+class _BiasedAttention(nn.Module):
+    """Attention with a learned relative position bias as its mask (transformers 5's Swin):
+    scaled dot product attention takes its math kernel where the mask requires grad, its fused
+    one otherwise (CPU), whose values differ in the last bits."""
+
+    def __init__(self, d: int = 16, heads: int = 2, seq: int = 8) -> None:
+        super().__init__()
+        self.qkv, self.out, self.norm, self.heads = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.LayerNorm(d), heads
+        self.table = nn.Parameter(torch.randn(2 * seq - 1, heads) * 0.1)
+        positions = torch.arange(seq)
+        self.register_buffer("index", positions[:, None] - positions[None, :] + seq - 1, persistent=False)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index].permute(2, 0, 1).unsqueeze(0)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return x + self.out(attended.transpose(1, 2).reshape(b, n, d))
+
+
+def test_attention_with_a_mask_that_requires_grad_runs_eagers_kernel_without_grad():
+    """A plan's forward without grad (a node recomputed later) ran the attention with a mask
+    that did not require grad: the fused kernel where eager runs the math one, the outputs 1 ulp
+    off at every budget. Now with its arguments requiring grad as in eager
+    (rkgb.interpret.with_eager_requires_grad): bitwise at 100%, 50% and the minimum."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    for fraction in (1.0, 0.5, 0.0):
+        check_training(nn.Sequential(*[_BiasedAttention() for _ in range(3)]), (x,), fraction, at_minimum=True)
+
+
 class _ShiftRight(nn.Module):
     """transformers' ``shift_tokens_right``: writes into a ``new_zeros`` built from an integer
     input, then reads it (a static value: recomputed where read, with its writes)."""
