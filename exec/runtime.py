@@ -163,13 +163,27 @@ class _ParameterCollector:
         return (None,)
 
 
-def _engine_accumulates_into(parameter: torch.Tensor) -> bool:
-    """Whether the running backward accumulates into ``parameter.grad`` (``loss.backward()``),
-    or not (``torch.autograd.grad``, ``backward(inputs=...)`` without it)."""
-    try:
-        return torch._C._will_engine_execute_node(get_gradient_edge(parameter).node)
-    except RuntimeError:  # the engine raises for a leaf while it runs torch.autograd.grad()
-        return False
+class _Accumulators:
+    """The ``AccumulateGrad`` nodes of the parameters, found once (``get_gradient_edge`` makes a
+    view of a leaf to reach its node: ~7 us a parameter, at every backward before) and again for
+    a parameter that is another tensor since (the previous one is let go)."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[torch.Tensor, object]] = []
+
+    def engine_accumulates_into(self, index: int, parameter: torch.Tensor) -> bool:
+        """Whether the running backward accumulates into ``parameter.grad`` (``loss.backward()``),
+        or not (``torch.autograd.grad``, ``backward(inputs=...)`` without it)."""
+        while len(self.found) <= index:
+            self.found.append((None, None))
+        tensor, node = self.found[index]
+        if tensor is not parameter:
+            node = get_gradient_edge(parameter).node
+            self.found[index] = (parameter, node)
+        try:
+            return torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # the engine raises for a leaf while it runs torch.autograd.grad()
+            return False
 
 
 _SECOND_BACKWARD = (
@@ -316,7 +330,7 @@ class _ScheduleFunction(torch.autograd.Function):
         parameters = ctx.parameters
         collectors = {
             i: _ParameterCollector(p) for i, p in enumerate(parameters)
-            if p.requires_grad and i not in runner.aliased_parameters and not _engine_accumulates_into(p)
+            if p.requires_grad and i not in runner.aliased_parameters and not runner.accumulators.engine_accumulates_into(i, p)
         }
         _check_outputs_unchanged(ctx.handover, state.outputs)
         # the outputs' gradients come from their gates (the engine passes None here)
@@ -347,6 +361,7 @@ class _Runner:
         graph = module.graph
         captured = graph.captured
         self.input_names = [name for name in captured.inputs if name is not None]
+        self.accumulators = _Accumulators()  # the parameters' AccumulateGrad nodes
         self.input_count = len(self.input_names)
         self.input_requires_grad = input_requires_grad
         self.parameter_count = len(module._parameter_refs)
