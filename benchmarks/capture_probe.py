@@ -31,7 +31,8 @@ from rockmate import Rockmate  # noqa: E402
 
 
 def _watch_capture() -> None:
-    """Report the capture's failed export attempts and its decisions on tensor values."""
+    """Report the capture's failed export attempts and its decisions on tensor values (on the
+    process's own stderr: the capture holds back what the forward prints while it is traced)."""
     export, decided = capture._export_quietly, capture._decided_by_shapes
 
     def reporting_export(model, args, shapes_logger="torch.fx.experimental.symbolic_shapes"):
@@ -40,7 +41,7 @@ def _watch_capture() -> None:
         except Exception as error:
             retry = shapes_logger != "torch.fx.experimental.symbolic_shapes"
             print(f"export {'with real values' if retry else 'along eager paths'} failed: "
-                  f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                  f"{type(error).__name__}: {str(error).splitlines()[0][:200]}", file=sys.__stderr__)
             raise
 
     def reporting_decided(graph, symbols):
@@ -48,7 +49,7 @@ def _watch_capture() -> None:
         taken = decided(graph, symbols)
         print(f"decisions on values: {sorted(map(str, symbols))}, {len(asserts)} runtime assertions, "
               f"sources beyond the shapes: {capture._undetermined_sources(capture._ancestors(asserts))}; "
-              f"taken: {taken}")
+              f"taken: {taken}", file=sys.__stderr__)
         return taken
 
     capture._export_quietly, capture._decided_by_shapes = reporting_export, reporting_decided
