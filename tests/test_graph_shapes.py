@@ -277,6 +277,17 @@ def test_autograd_grad_returns_the_gradients_and_leaves_grad_alone():
     # backward(inputs=...) accumulates into those inputs only
     compiled(x).square().sum().backward(inputs=[model[0].weight])
     assert torch.equal(model[0].weight.grad, expected[0]) and model[2].weight.grad is None
+    # a parameter replaced by another tensor of its shape (the compiled module finds each
+    # parameter's AccumulateGrad node once: exec.runtime._Accumulators): the new one's gradient
+    # is returned, the old one's left alone
+    old = model[2].weight
+    model[2].weight = nn.Parameter(old.detach() * 2)
+    reference[2].weight = nn.Parameter(old.detach() * 2)
+    expected = torch.autograd.grad(reference(x).square().sum(), list(reference.parameters()))
+    got = torch.autograd.grad(compiled(x).square().sum(), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(expected, got)) and old.grad is None
+    compiled(x).square().sum().backward(inputs=[model[2].weight])
+    assert torch.equal(model[2].weight.grad, expected[2]) and old.grad is None
 
 
 def test_parameter_hooks_run_once_with_the_whole_gradient():
