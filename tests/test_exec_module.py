@@ -273,3 +273,28 @@ def test_a_loss_that_reads_a_cat_of_the_outputs_is_warned_about():
         ((h ** 2).sum() + (y ** 2).sum()).backward()
         h, y = rk(x)
         (h.sum() + y.mean()).backward()
+
+
+def test_the_dense_layout_test_agrees_with_torchs():
+    """``rkgb.gradsink.non_overlapping_and_dense`` (c10's test in Python, instead of torch's own
+    Python test, ~50 us a call on every transposed gradient) on random strided views and
+    permuted tensors: the same answer as ``torch._prims_common``'s."""
+    import itertools
+    import random
+
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    from rkgb.gradsink import non_overlapping_and_dense
+
+    generator, storage, checked = random.Random(0), torch.empty(1000), 0
+    for _ in range(2000):
+        dim = generator.randint(1, 4)
+        sizes = [generator.choice([0, 1, 2, 3, 4]) for _ in range(dim)]
+        strides = [generator.choice([0, 1, 2, 3, 4, 6, 8, 12, 16, 24]) for _ in range(dim)]
+        views = [storage.as_strided(sizes, strides)] + [torch.empty(sizes).permute(*order)
+                                                         for order in itertools.permutations(range(dim))]
+        for view in views:
+            assert non_overlapping_and_dense(view) == bool(is_non_overlapping_and_dense_or_false(view)), \
+                (list(view.shape), view.stride())
+            checked += 1
+    assert checked > 4000
