@@ -23,6 +23,7 @@ with grad, and which views to drop when data is forgotten.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import math
 import operator
@@ -282,18 +283,24 @@ class _Generator:
         args += [f"{k}={self.expr(v, ref)}" for k, v in fx_node.kwargs.items()]
         return f"{function}({', '.join(args)})"
 
-    def requiring_grad_in_eager(self, node: SimplifiedNode) -> set[str]:
-        """The fx names, among ``node``'s lines and what they read, of the floating-point values
-        that require grad in eager: the trained parameters, the inputs that require grad, the
-        exported tensors of other nodes that get a gradient, and what lines compute from them
-        (:func:`rkgb.simplify.gradient_needs`, line by line)."""
-        requiring = {name for name in self.trained_parameters}
+    @functools.cached_property
+    def _sources_requiring_grad(self) -> frozenset[str]:
+        """What the nodes read that requires grad in eager: the trained parameters, the inputs
+        that require grad, the views of them made once, the exported tensors that get a gradient."""
+        requiring = set(self.trained_parameters)
         requiring |= {name for name, flag in zip(self.input_names, self.input_requires_grad) if flag}
         for view in self.graph.global_views:
             if any(arg.name in requiring for arg in view.all_input_nodes):
                 requiring.add(view.name)
         for info in self.infos.values():
             requiring |= {name for name, flag in info.exported_requires_grad.items() if flag}
+        return frozenset(requiring)
+
+    def requiring_grad_in_eager(self, node: SimplifiedNode) -> set[str]:
+        """The fx names, among ``node``'s lines and what they read, of the floating-point values
+        that require grad in eager: :attr:`_sources_requiring_grad` and what lines compute from
+        them (:func:`rkgb.simplify.gradient_needs`, line by line)."""
+        requiring = set(self._sources_requiring_grad)
         for line in node.lines:
             if line.target in NO_GRADIENT:
                 continue
@@ -1041,20 +1048,15 @@ class _ViewsOfBase:
         return f"<views of {self.base}: {', '.join(name for name, *_ in self.lines)}>"
 
 
-class _ViewChain:
+class _ViewChain(_ViewsOfBase):
     """A chain of view lines (:func:`rkgb.simplify.summing_view_chain`) as a function of the
     first one's input: what a view group summed at the view's size runs its backward through."""
 
     def __init__(self, chain: list[torch.fx.Node]) -> None:
-        self.chain = [(line.target, line.args, line.kwargs) for line in chain]
-        self.description = " -> ".join(line.name for line in chain)
+        super().__init__(chain[0].args[0].name, chain)
 
     def __call__(self, base: torch.Tensor) -> torch.Tensor:
-        value = base
-        for target, args, kwargs in self.chain:
-            args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda _node: value)
-            value = target(*args, **kwargs)
-        return value
+        return super().__call__(base)[-1]
 
     def __repr__(self) -> str:
-        return f"<views {self.description}>"
+        return f"<views {' -> '.join(name for name, *_ in self.lines)}>"

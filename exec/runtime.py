@@ -168,14 +168,12 @@ class _Accumulators:
     view of a leaf to reach its node: ~7 us a parameter, at every backward before) and again for
     a parameter that is another tensor since (the previous one is let go)."""
 
-    def __init__(self) -> None:
-        self.found: list[tuple[torch.Tensor, object]] = []
+    def __init__(self, count: int) -> None:
+        self.found: list[tuple[torch.Tensor | None, object]] = [(None, None)] * count
 
     def engine_accumulates_into(self, index: int, parameter: torch.Tensor) -> bool:
         """Whether the running backward accumulates into ``parameter.grad`` (``loss.backward()``),
         or not (``torch.autograd.grad``, ``backward(inputs=...)`` without it)."""
-        while len(self.found) <= index:
-            self.found.append((None, None))
         tensor, node = self.found[index]
         if tensor is not parameter:
             node = get_gradient_edge(parameter).node
@@ -361,10 +359,10 @@ class _Runner:
         graph = module.graph
         captured = graph.captured
         self.input_names = [name for name in captured.inputs if name is not None]
-        self.accumulators = _Accumulators()  # the parameters' AccumulateGrad nodes
         self.input_count = len(self.input_names)
         self.input_requires_grad = input_requires_grad
         self.parameter_count = len(module._parameter_refs)
+        self.accumulators = _Accumulators(self.parameter_count)  # the parameters' AccumulateGrad nodes
         # parameters with hooks, read through an alias of their own: index -> state attribute
         aliased = {name for (name, _, _), flag in zip(module._parameter_refs, hooked) if flag}
         self.aliased_parameters = {i: f"param_{name}" for i, (name, _, _) in enumerate(module._parameter_refs)

@@ -850,7 +850,7 @@ def _export_taking_shape_branches(model: nn.Module, args: tuple):
         return None
     if not decisions.symbols or not _decided_by_shapes(exported.graph, decisions.symbols):
         return None
-    drop_value_branches(exported.graph)
+    _drop_value_branches(exported.graph)
     return exported
 
 
@@ -879,7 +879,8 @@ class _RealValueDecisions(logging.Handler):
 
     def __exit__(self, *exc) -> None:
         logger = logging.getLogger(self._LOGGER)
-        logger.level, logger.propagate, logger.handlers = self._saved
+        level, logger.propagate, logger.handlers = self._saved
+        logger.setLevel(level)  # (setLevel, not the attribute: it clears logging's cache of levels)
 
 
 def _decided_by_shapes(graph: torch.fx.Graph, symbols: set) -> bool:
@@ -928,18 +929,14 @@ def _undetermined(target) -> bool:
 _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
-def drop_value_branches(graph: torch.fx.Graph) -> int:
+def _drop_value_branches(graph: torch.fx.Graph) -> None:
     """Erase the runtime assertions that export's real-tensor propagation leaves for the branches
     it took, and the nodes that only they read (the branches depend on the shapes alone and a
-    plan is made per shape: they hold for every call it runs); returns how many nodes were
-    erased."""
+    plan is made per shape: they hold for every call it runs)."""
     closure = set(_ancestors([node for node in graph.nodes if node.target is _ASSERT_SCALAR]))
-    erased = 0
     for node in reversed([node for node in graph.nodes if node in closure]):
         if node.op != "placeholder" and not node.users:
             graph.erase_node(node)
-            erased += 1
-    return erased
 
 
 def _export_quietly(model: nn.Module, args: tuple, shapes_logger: str = "torch.fx.experimental.symbolic_shapes"):

@@ -171,8 +171,6 @@ def non_overlapping_and_dense(tensor: torch.Tensor) -> bool:
     on every transposed gradient)."""
     if tensor.is_contiguous():  # (the common case, answered in C++)
         return True
-    if tensor.dim() == 1:
-        return tensor.shape[0] < 2 or tensor.stride(0) == 1
     expected = 1
     for stride, size in sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size >= 2):
         if stride != expected:

@@ -74,7 +74,7 @@ class ModelState:
         which refuses them) and the kind: (path, kind), or None."""
         for path, module in self.modules.items():
             for kind in MODULE_HOOKS:
-                if getattr(module, kind, None) and module_hooks(module, kind):
+                if module_hooks(module, kind):
                     return path, kind[1:].replace("_", " ")
         return None
 
