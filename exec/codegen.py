@@ -233,6 +233,8 @@ class _Generator:
     def ref(self, fx_name: str) -> str:
         if fx_name in self.local_values:
             return self.local_values[fx_name]
+        if fx_name in self.graph.updated_first:  # the buffer holds it (written before the forward)
+            return self.graph.updated_first[fx_name]
         if self.phase == "backward" and fx_name in self.snapshots:
             return self.snapshots[fx_name]
         if fx_name in self.aliased_parameters:
@@ -761,6 +763,19 @@ class _Generator:
             w.comment("parameters whose views several nodes read: the views' gradients summed first, as eager")
             for name in summed:
                 w(f"s.psink_{name} = parameter_sink({name})")
+        if self.graph.updated_first:
+            w.comment("buffer updates that nothing else reads: made first, in place, as eager makes them")
+            w("with no_grad():")
+            local_names = []
+            for line in self.graph.buffer_updates_first:
+                local = f"first_{line.name}"
+                w(f"    {local} = {self.call(line)}")
+                self.local_values[line.name] = local
+                local_names.append(local)
+            for name, buffer in self.graph.updated_first.items():
+                w(f"    {buffer}.copy_({self.local_values[name]})")
+            w(f"del {', '.join(local_names)}")
+            self.local_values = {}
         if self.graph.global_views:
             w.comment("views of parameters, buffers and inputs")
             outputs = set(self.graph.outputs)

@@ -197,6 +197,8 @@ def initial_environment(graph: SimplifiedGraph, model: nn.Module, sample) -> dic
         if name is not None:
             env[name] = value
     run_lines(graph.global_views, env)
+    # the new values of the buffers that the step writes first (the model's buffers left alone)
+    run_lines(graph.buffer_updates_first, env)
     return env
 
 
