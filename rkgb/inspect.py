@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 from .blocks import Block, BlockClass, Chain, side_name
 from .capture import as_input_tuple, device_of
 from .interpret import eager_target, global_requires_grad, initial_environment, inspected_targets, run_lines, tensor_args
-from .memory import allocator_events_and_ranges, measure_allocator_peak, storage_bytes
+from .memory import allocator_events, allocator_events_and_ranges, measure_allocator_peak, storage_bytes
 from .gradsink import GradientQueue, GradSink, handoff, handoff_backward, non_overlapping_and_dense, owns_its_storage
 from .saved import SavedTensors, storage_key
 from .simplify import (OpKind, SimplifiedGraph, SimplifiedNode, classify, gradient_needs, summed_input_views,
@@ -231,6 +231,20 @@ class _PeakMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return measure_allocator_peak(fn, device=self.device)
+
+    def measure_retained(self, fn) -> tuple[int, int]:
+        """``(peak, retained)``: the peak of :meth:`measure` and the bytes still allocated when
+        ``fn`` returns, both above what was allocated before ``fn``."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            fn()
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated(self.device) - start,
+                    torch.cuda.memory_allocated(self.device) - start)
+        events = allocator_events(fn)
+        return max((event.current_bytes for event in events), default=0), (events[-1].current_bytes if events else 0)
 
     def measure_marked(self, fn) -> tuple[int, int | None]:
         """``(before, after)``: where ``fn`` called :meth:`mark`, its peak before that moment
@@ -1136,13 +1150,16 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     if line.name not in given:  # (a view summed at its size: every reader's leaf)
                         env.pop(line.name, None)
 
-            peak = meter.measure(forward_with_grad)
+            peak, retained = meter.measure_retained(forward_with_grad)
             for value, output in zip(result["outputs"], node.outputs):
                 strides[output.fx_name] = tuple(value.stride())
             values = result["exported"]
             # (a reshape that had to copy, see rkgb.capture.views_as_reshapes, holds its own)
             data_bytes = _storage_bytes(result["outputs"] + values)
-            phantom_bytes = saved.phantom_bytes(name)
+            # and what the island's graph keeps without the saved-tensor hooks: a Python number
+            # that an op wraps into a tensor and saves (``x * 0.044715``: 8 bytes on CPU, freed
+            # with the autograd node), as eager's graph keeps it
+            phantom_bytes = max(saved.phantom_bytes(name), retained - data_bytes)
 
             forward_time = clock(_rerun(lines, env, requires_grad, targets), data_bytes)
             islands[name] = [t for t, out in zip(values, exported) if needs[name].exported[out]]

@@ -229,13 +229,18 @@ def test_minimum_is_never_above_the_no_recomputation_peak_nor_that_above_eagers(
     from exactness import DotLoss, eager_peak
     from rockmate import min_budget
 
+    # a counter incremented twice and read after each: the functional graph's first new value
+    # lives beside the buffer (read by the first product, recomputable), eager's is the buffer
+    # itself: one scalar, and its temporary, above eager
+    intermediate_values = {"counter_twice": 2 * 4}
     for name in sorted(CASES):
         model, x = _build(name)
         none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", cost_model="flops")
         with torch.no_grad():
             probe = copy.deepcopy(model)(x)
         loss = DotLoss(probe)
-        assert none.plan.predicted_peak <= eager_peak(model, (x,), loss) + loss.copies(probe), name
+        allowance = loss.copies(probe) + intermediate_values.get(name, 0)
+        assert none.plan.predicted_peak <= eager_peak(model, (x,), loss) + allowance, name
         for solver in ("rockmate", "rotor", "checkmate"):
             assert min_budget(copy.deepcopy(model), x, solver=solver, cost_model="flops") <= none.plan.predicted_peak
 
