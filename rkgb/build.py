@@ -106,6 +106,10 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                     aliases={
                         dname(d, G): tuple(parts) for d, parts in node.grad_aliases.items() if d in grad_exists
                     },
+                    contribution_aliases={
+                        dname(d, G): tuple(sources) for d, sources in node.grad_contribution_aliases.items()
+                        if d in grad_exists
+                    },
                     shared={
                         dname(d, G): tuple(parts) for d, parts in node.grad_shared.items() if d in grad_exists
                     },
@@ -177,6 +181,8 @@ def _drop_lasting_aliases(backwards: list[ComputeNode], input_grad: str) -> None
     """
     producers = [c for c in backwards if input_grad in c.produces]
     for c in producers:
+        # (contributions of both kinds to the input gradient: counted as new tensors, as before)
+        c.contribution_aliases.pop(input_grad, None)
         sources = c.aliases.get(input_grad)
         if sources is None:
             continue

@@ -157,6 +157,11 @@ class ComputeNode:
     # itself (an engine's sum passed to several), into which a later contribution is added in
     # place once nothing else holds it
     together_storages: tuple[tuple[int, bool], ...] = ()
+    # where a part of a gradient gets contributions of both kinds from this backward (``h - h``:
+    # the first read's gradient is the incoming one, the second a new tensor): per contribution,
+    # in the order of ``contributes``, the part of the backward's own gradient it is (-1: a new
+    # tensor); these gradients' entries of ``aliases`` then do not apply
+    contribution_aliases: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # temporary memory of a forward run without grad (None: ``overhead_bytes``)
     no_grad_overhead_bytes: int | None = None
     # ``aliases`` of the block's input gradient that the block's own figures count as new
@@ -270,6 +275,7 @@ class CDGraph:
                 produces=[rename_data(d) for d in c.produces],
                 contributes={rename_data(g): v for g, v in c.contributes.items()},
                 aliases={rename_data(g): v for g, v in c.aliases.items()},
+                contribution_aliases={rename_data(g): v for g, v in c.contribution_aliases.items()},
                 shared={rename_data(g): v for g, v in c.shared.items()},
                 owned={rename_data(g): v for g, v in c.owned.items()},
                 together={rename_data(g): v for g, v in c.together.items()},
@@ -315,7 +321,7 @@ class CDGraph:
             if c.overhead_bytes < 0 or c.time_s < 0 or (c.no_grad_overhead_bytes or 0) < 0:
                 raise CDGraphError(f"{self.name}: compute node {c.name!r} has a negative cost")
             own = self._data.get(data_name(c.target, DataKind.GRAD))
-            for table in (c.contributes, c.aliases, c.shared, c.together):
+            for table in (c.contributes, c.aliases, c.shared, c.together, c.contribution_aliases):
                 for g in table:
                     if g not in c.produces or g not in self._data or self._data[g].kind is not DataKind.GRAD:
                         raise CDGraphError(
@@ -338,6 +344,18 @@ class CDGraph:
                     raise CDGraphError(
                         f"{self.name}: {c.name!r} declares the parts of {g!r} aliases of {sources}; "
                         "an alias is a part of the backward's own gradient, one entry per part"
+                    )
+            for g, sources in c.contribution_aliases.items():
+                if (
+                    c.kind is not ComputeKind.BACKWARD
+                    or own is None
+                    or g not in c.contributes
+                    or len(sources) != len(c.contributes[g])
+                    or not all(-1 <= j < len(own.part_sizes) for j in sources)
+                ):
+                    raise CDGraphError(
+                        f"{self.name}: {c.name!r} declares the contributions to {g!r} aliases of {sources}; "
+                        "one entry per contribution of `contributes`, each a part of the backward's own gradient"
                     )
             for d in c.needs + c.needs_shape + c.produces:
                 if d not in self._data:

@@ -90,6 +90,10 @@ class NodeMeasure:
     grad_contributions: dict[str, list[int]] = field(default_factory=dict)
     # dep -> for each part of its gradient, the part of ours that its first contribution is
     grad_aliases: dict[str, list[int]] = field(default_factory=dict)
+    # dep -> where a part gets contributions of both kinds (``h - h``: the incoming gradient,
+    # then a new tensor), the part of ours that each contribution is, or -1, in the order of
+    # grad_contributions (:attr:`rkgb.cdgraph.ComputeNode.contribution_aliases`)
+    grad_contribution_aliases: dict[str, list[int]] = field(default_factory=dict)
     # dep -> the parts of its gradient whose first contribution, made here, shares its storage
     # (a view of a bigger result): the next contribution makes a new sum
     grad_shared: dict[str, list[int]] = field(default_factory=dict)
@@ -1326,19 +1330,27 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             for d in targets:
                 sizes = grad_parts_of[d]
                 contributed, sources, shared, owned = [], [], [], []
+                each: list[int] = []  # the source of each contribution (aligned with contributed)
+                mixed = False  # a part whose contributions are of both kinds
                 for i, (leaf, sink) in enumerate(grad_leaves[d]):
                     count = sink.calls - calls[d][i]  # several: a node reading the part twice
                     # the part of the incoming gradient that every contribution is (an add's
                     # backward passes it on to each read), or -1
-                    found = set(sink.keys)
+                    keys = list(sink.keys)
+                    found = set(keys)
                     source = found.pop() if len(found) == 1 else -1
                     sink.keys = None
+                    if count > 1 and len(keys) == count and len(set(keys)) > 1:
+                        mixed = True  # (`h - h`: the first read's gradient is the incoming one)
+                    else:
+                        keys = [source] * count
                     group = together.get((d, i), -1)
                     if group >= 0:  # its storage counted once, for the group
                         added += 0 if group in counted else group_storages[group][0]
                         counted.add(group)
                         state.produce((d, i), 0, True)
                         contributed.append(i)
+                        each.append(source)
                         sources.append(source)
                         if calls[d][i] == 0 and sink.first_shared:
                             shared.append(i)
@@ -1352,12 +1364,15 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                         shared.append(i)
                         if sink.first_owned:
                             owned.append(i)
-                    for _ in range(count):
+                    for key in keys:
                         contributed.append(i)
-                        added += state.produce((d, i), sizes[i], source >= 0)
+                        each.append(key)
+                        added += state.produce((d, i), sizes[i], key >= 0)
                     sources.append(source)
                 if contributed != list(range(len(sizes))):
                     measure.grad_contributions[anonymous[d]] = contributed
+                if mixed:
+                    measure.grad_contribution_aliases[anonymous[d]] = each
                 if any(j >= 0 for j in sources):
                     measure.grad_aliases[anonymous[d]] = sources
                 if shared:
