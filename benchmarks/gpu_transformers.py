@@ -7,7 +7,7 @@ prints one JSON row per model: whether eager itself is deterministic (two eager 
 peak, and per budget the budget, the predicted and measured peaks (``max_memory_allocated`` on
 CUDA, the profiler's allocation events on CPU), whether the loss and every gradient are bitwise
 eager's, and the planning time. Runs on whatever transformers is installed (the GPU machines
-have 5.x; the tests pin 4.57.1).
+have 5.x, as the tests since the twenty-fourth session: 5.17.0).
 
     python benchmarks/gpu_transformers.py llama,bart,swin [--out rows.jsonl]
 """
