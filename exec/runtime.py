@@ -17,11 +17,10 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from rkgb.capture import as_input_tuple
 from rkgb.cdgraph import LOSS_NAME, DataKind, data_name, parameter_sums
-from rkgb.gradsink import GradientQueue, GradSink, ParameterSink, accumulate, handoff, handoff_backward
+from rkgb.gradsink import GradientQueue, GradSink, ParameterSink, accumulate, gradient_node, handoff, handoff_backward
 from rkgb.interpret import batch_norm_not_updating, batch_norm_updating, in_grad_mode, with_eager_requires_grad
 from rkgb.saved import SavedTensors
 from rkgb.simplify import SimplifiedGraph
@@ -154,7 +153,7 @@ class _ParameterCollector:
 
     def __init__(self, parameter: torch.Tensor) -> None:
         self.grad: torch.Tensor | None = None
-        self.handle = get_gradient_edge(parameter).node.register_prehook(self)
+        self.handle = gradient_node(parameter).register_prehook(self)
 
     def __call__(self, grad_outputs):
         if grad_outputs[0] is not None:
@@ -176,7 +175,7 @@ class _Accumulators:
         or not (``torch.autograd.grad``, ``backward(inputs=...)`` without it)."""
         tensor, node = self.found[index]
         if tensor is not parameter:
-            node = get_gradient_edge(parameter).node
+            node = gradient_node(parameter)
             self.found[index] = (parameter, node)
         try:
             return torch._C._will_engine_execute_node(node)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["GradSink", "GradientQueue", "ParameterSink", "accumulate"]
+__all__ = ["GradSink", "GradientQueue", "ParameterSink", "accumulate", "gradient_node"]
 
 
 class GradSink:
@@ -56,7 +55,7 @@ class GradSink:
         # hook refers back to the sink weakly: a strong reference would make a cycle through
         # C++ that only Python's garbage collector frees, so that every step's state (its
         # outputs' data and gradients) would outlive the step until the next collection
-        self.node = get_gradient_edge(leaf).node
+        self.node = gradient_node(leaf)
         sink = weakref.ref(self)
         self.node.register_prehook(lambda grad_outputs: _deliver(sink, queue, grad_outputs))
 
@@ -99,6 +98,22 @@ class ParameterSink:
                     if non_overlapping_and_dense(grad) else torch.empty_like(parameter).copy_(grad)
             else:
                 parameter.grad.add_(grad)
+
+
+def gradient_node(tensor: torch.Tensor):
+    """The autograd node that receives ``tensor``'s gradient: its ``grad_fn``, or a leaf's
+    ``AccumulateGrad`` (``torch.autograd.graph.get_gradient_edge(tensor).node``, without its
+    context manager and edge tuple: half its time, and the executor asks it for every leaf of
+    every step)."""
+    node = tensor.grad_fn
+    if node is not None:
+        return node
+    enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(True)
+    try:
+        return tensor.view_as(tensor).grad_fn.next_functions[0][0]
+    finally:
+        torch._C._set_grad_enabled(enabled)
 
 
 def accumulate(old: torch.Tensor | None, grad: torch.Tensor, held_alone: bool) -> torch.Tensor:
@@ -295,7 +310,7 @@ class GradientQueue:
                 pending.append((rank, target, grad_outputs[0], group, pieces))
             return (None,)
 
-        node = get_gradient_edge(alias).node
+        node = gradient_node(alias)
         node.register_prehook(keep)
         if not is_global:
             self.fresh.append((alias, node))  # the node lives while the island's graph holds it

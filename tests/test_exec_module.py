@@ -298,3 +298,23 @@ def test_the_dense_layout_test_agrees_with_torchs():
                 (list(view.shape), view.stride())
             checked += 1
     assert checked > 4000
+
+
+def test_gradient_node_is_torchs_gradient_edge_node():
+    """``rkgb.gradsink.gradient_node`` (the leaves' AccumulateGrad without torch's context
+    manager) is ``get_gradient_edge(t).node`` for leaves, parameters and results, under grad and
+    without it, and leaves the grad mode as it found it."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from rkgb.gradsink import gradient_node
+
+    parameter = torch.nn.Parameter(torch.randn(3))
+    for enabled in (True, False):
+        with torch.set_grad_enabled(enabled):
+            leaf = torch.randn(2, 3).requires_grad_()
+            with torch.enable_grad():
+                result = leaf * parameter
+            for tensor in (leaf, parameter, result):
+                node = gradient_node(tensor)
+                assert node is get_gradient_edge(tensor).node and node is gradient_node(tensor)
+                assert torch.is_grad_enabled() is enabled
