@@ -29,7 +29,10 @@ Semantics that the solvers, the simulator and the executor share
 - ``aliases[g][i] = j`` on ``bwd_x``: the contribution to part ``i`` of gradient ``g`` is part
   ``j`` of ``x.grad`` itself (``-1``: a new tensor). An ``add``'s backward passes its
   incoming gradient to both of its inputs, a ``clone``'s or a reshape's passes it (or a view of
-  it) on. Both then share one storage, counted once while either holds it.
+  it) on. Both then share one storage, counted once while either holds it. Where a part gets
+  contributions of both kinds (``h - h``: the first read's gradient is the incoming one, the
+  second a new tensor), ``contribution_aliases[g]`` gives the ``j`` of each contribution, in
+  the order of ``contributes[g]``.
 - ``shared[g]`` on ``bwd_x``: parts of ``g`` whose first contribution shares its storage with
   another tensor that lives on (a view of a bigger result of the backward): as eager's buffer,
   the executor does not add the next contribution into it in place but makes a new sum.
