@@ -72,9 +72,10 @@ class ModelState:
     def hooked(self) -> tuple[str, str] | None:
         """A module of the model with forward or backward hooks (registered after the capture,
         which refuses them) and the kind: (path, kind), or None."""
-        for path, module in self.modules.items():
+        for path, attributes in self._module_attributes:
             for kind in MODULE_HOOKS:
-                if module_hooks(module, kind):
+                # (most modules have none: their empty dicts tell it without a call)
+                if attributes.get(kind) and module_hooks(self.modules[path], kind):
                     return path, kind[1:].replace("_", " ")
         return None
 
@@ -82,6 +83,8 @@ class ModelState:
         # what :meth:`_as_built` compares at each call (the identities of what the build saw)
         self._children = [(module._modules, dict(module._modules)) for module in self.modules.values()]
         self._attributes = [(vars(self.modules[path]), name, value) for (path, name), value in self.values.items()]
+        # each module's attributes, where its hooks' dicts are (read at each call by hooked())
+        self._module_attributes = [(path, vars(module)) for path, module in self.modules.items()]
         self._tensors = [(tensors, name, tensor, tuple(tensor.shape))
                          for module in self.modules.values()
                          for tensors in (module._parameters, module._buffers)
