@@ -1336,11 +1336,10 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
                     count = sink.calls - calls[d][i]  # several: a node reading the part twice
                     # the part of the incoming gradient that every contribution is (an add's
                     # backward passes it on to each read), or -1
-                    keys = list(sink.keys)
-                    found = set(keys)
-                    source = found.pop() if len(found) == 1 else -1
-                    sink.keys = None
-                    if count > 1 and len(keys) == count and len(set(keys)) > 1:
+                    keys, sink.keys = list(sink.keys), None
+                    kinds = set(keys)
+                    source = next(iter(kinds)) if len(kinds) == 1 else -1
+                    if count > 1 and len(keys) == count and len(kinds) > 1:
                         mixed = True  # (`h - h`: the first read's gradient is the incoming one)
                     else:
                         keys = [source] * count

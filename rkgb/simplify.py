@@ -423,14 +423,12 @@ def _updates_made_first(captured: CapturedGraph) -> dict[str, str]:
     intermediate values (the buffer's old value is then never needed again, even by a
     recomputation), and when its new value has the buffer's shape, dtype and strides (the
     buffer, written with it, reads the same)."""
-    graph = captured.graph
-    placeholders = {node.name: node for node in graph.nodes if node.op == "placeholder"}
+    by_name = {node.name: node for node in captured.graph.nodes}
     by_path = {path: name for name, path in captured.buffers.items()}
     mutated = {by_path.get(path) for path in captured.buffer_mutations.values()}
     found: dict[str, str] = {}
     for name, path in captured.buffer_mutations.items():
-        buffer = placeholders.get(by_path.get(path, ""))
-        value = next((node for node in graph.nodes if node.name == name), None)
+        buffer, value = by_name.get(by_path.get(path, "")), by_name.get(name)
         if buffer is None or value is None or value.op != "call_function" or name in captured.user_outputs:
             continue
         lines: set[torch.fx.Node] = set()

@@ -200,7 +200,7 @@ class _Storages:
             groups = node.together.get(d, ())
             each = node.contribution_aliases.get(d)  # per contribution, where of both kinds
             for k, i in enumerate(node.contributes.get(d, range(count))):
-                j = each[k] if each is not None else sources[i] if i < len(sources) else -1
+                j = each[k] if each is not None else (sources[i] if i < len(sources) else -1)
                 alias = own[j] if j >= 0 and own is not None and own[j] is not None else None
                 group = groups[i] if alias is None and i < len(groups) else -1
                 if group >= 0 and group in made:
