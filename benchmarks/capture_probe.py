@@ -33,7 +33,7 @@ from rockmate import Rockmate  # noqa: E402
 def _watch_capture() -> None:
     """Report the capture's failed export attempts and its decisions on tensor values (on the
     process's own stderr: the capture holds back what the forward prints while it is traced)."""
-    export, decided = capture._export_quietly, capture._decided_by_shapes
+    export, leave = capture._export_quietly, capture._RealValueDecisions.__exit__
 
     def reporting_export(model, args, shapes_logger="torch.fx.experimental.symbolic_shapes"):
         try:
@@ -44,15 +44,13 @@ def _watch_capture() -> None:
                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}", file=sys.__stderr__)
             raise
 
-    def reporting_decided(graph, symbols):
-        asserts = [n for n in graph.nodes if n.target is capture._ASSERT_SCALAR]
-        taken = decided(graph, symbols)
-        print(f"decisions on values: {sorted(map(str, symbols))}, {len(asserts)} runtime assertions, "
-              f"sources beyond the shapes: {capture._undetermined_sources(capture._ancestors(asserts))}; "
-              f"taken: {taken}", file=sys.__stderr__)
-        return taken
+    def reporting_leave(decisions, *exc):
+        print(f"decisions on values: {decisions.made}, on values the shapes do not determine: "
+              f"{decisions.undetermined}; symbols read from values the shapes determine: "
+              f"{sorted(map(str, decisions.values.symbols))}", file=sys.__stderr__)
+        return leave(decisions, *exc)
 
-    capture._export_quietly, capture._decided_by_shapes = reporting_export, reporting_decided
+    capture._export_quietly, capture._RealValueDecisions.__exit__ = reporting_export, reporting_leave
 
 
 def _eager_attention_calls(model, call) -> list[str]:

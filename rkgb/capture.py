@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch._inductor.config  # noqa: F401 - fallback_random, see capture()
+import torch.nn.attention
 from torch import nn
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.overrides import TorchFunctionMode
@@ -820,55 +821,164 @@ def _export_along_eager_paths(model: nn.Module, args: tuple, printed: io.StringI
     mask, another kernel and other gradient bits): the same branch for every call of these
     shapes, and a plan is made per shape. Otherwise (transformers' check that an attention mask is
     all ones: BERT, BART, OPT...), along the paths that transformers takes under a compiler,
-    which export was made for, right for any values."""
+    which export was made for, right for any values.
+
+    Returns the exported program and whether real values propagated through it (its fake values
+    hold real tensors: :func:`_math_attention` while it is traced again)."""
     with _eager_paths() as patched:
         mark = printed.tell()
         try:
-            return _export_quietly(model, args)
+            return _export_quietly(model, args), False
         except GuardOnDataDependentSymNode as error:
             data_dependent = error
         printed.seek(mark)  # the forward runs again: print its output once
         printed.truncate()
         exported = _export_taking_shape_branches(model, args)
         if exported is not None:
-            return exported
+            return exported, True
         printed.seek(mark)
         printed.truncate()
         if not patched:
             raise data_dependent
-    return _export_quietly(model, args)
+    return _export_quietly(model, args), False
 
 
 def _export_taking_shape_branches(model: nn.Module, args: tuple):
     """The export with the branches on tensor values taken as eager takes them on the sample,
     where those values depend on the shapes alone (:func:`_export_along_eager_paths`), else None."""
-    decisions = _RealValueDecisions()
+    values = _ShapeDeterminedValues()
+    decisions = _RealValueDecisions(values)
     try:
-        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True), decisions:
+        with torch._functorch.config.patch(fake_tensor_propagate_real_tensors=True), decisions, \
+                _math_attention(), values:
             exported = _export_quietly(model, args, shapes_logger=decisions.QUIETED)
     except Exception:  # noqa: BLE001 the branches taken on the sample failed too: the caller goes on as before
         return None
-    if not decisions.symbols or not _decided_by_shapes(exported.graph, decisions.symbols):
+    if not decisions.made or decisions.undetermined:
         return None
     _drop_value_branches(exported.graph)
     return exported
 
 
+def _math_attention():
+    """Attention's math kernel while real values propagate through fake ones: the fused CUDA
+    kernels' random-state outputs do not match their fake kernels' (torch 2.11, BART on an H200:
+    ``MetadataMismatchError`` at ``output[2]``, in the export and again in ``run_decompositions``).
+    The graph keeps the composite ``scaled_dot_product_attention`` either way: the kernel is
+    chosen when the plan runs."""
+    return torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
+
+
+def _drop_real_values(graph: torch.fx.Graph) -> None:
+    """Let go of the real tensors that real-value propagation left on the graph's fake values:
+    they are the sample forward's every intermediate (eager's activations, on the user's device),
+    which the compiled module would hold else."""
+    for node in graph.nodes:
+        for value in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            if getattr(value, "real_tensor", None) is not None:
+                value.real_tensor = None
+
+
+class _ShapeDeterminedValues(TorchFunctionMode):
+    """Which tensors of the forward hold values that the shapes alone determine, followed call by
+    call while export traces it: those made by factories (``arange``, ``ones``...) and by
+    operations reading only such tensors, or only their shapes (``ones_like``). Not: the inputs,
+    parameters, buffers and constants (made before the forward), random draws, uninitialized
+    memory, and a tensor whose storage was written in place from other values. ``symbols``: the
+    values read out of such tensors (``item()``, ``tolist()``), export's unbacked symbols;
+    ``reading``: for each read of a value in progress (``bool(t)``...), whether ``t`` is such a
+    tensor. Conservative: a tensor made where this mode does not see it counts as undetermined.
+
+    Independent of what export's graph keeps of a decision (torch 2.13 leaves a runtime assertion
+    computed from the tensor, torch 2.11 none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._determined: dict[int, weakref.ref] = {}
+        self._overwritten: set = set()  # storages written in place from undetermined values
+        self.symbols: set = set()
+        self.reading: list[bool] = []
+
+    def determined(self, tensor: torch.Tensor) -> bool:
+        ref = self._determined.get(id(tensor))
+        return ref is not None and ref() is tensor and storage_identity(tensor) not in self._overwritten
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        read = torch.utils._pytree.tree_leaves((args[1:], kwargs) if name in _SHAPE_READERS else (args, kwargs))
+        determined = not _draws_or_uninitialized(name) and \
+            all(self.determined(value) for value in read if isinstance(value, torch.Tensor))
+        if name in _VALUE_READS:
+            self.reading.append(determined)
+            try:
+                result = func(*args, **kwargs)
+            finally:
+                self.reading.pop()
+            if determined:
+                for value in torch.utils._pytree.tree_leaves(result):
+                    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                        self.symbols |= value.node.expr.free_symbols
+            return result
+        result = func(*args, **kwargs)
+        written = kwargs.get("out", args[0] if args and _writes_in_place(name) else None)
+        for value in torch.utils._pytree.tree_leaves((result, written)):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if determined:
+                self._determined[id(value)] = weakref.ref(value)
+            else:
+                self._determined.pop(id(value), None)
+                if value is written or written is not None and value is result:
+                    self._overwritten.add(storage_identity(value))
+        return result
+
+
+# reading a tensor's value into Python (a decision on it follows)
+_VALUE_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "is_nonzero"})
+# reading only the first argument's shape, dtype and device
+_SHAPE_READERS = frozenset({"new_ones", "new_zeros", "new_full", "ones_like", "zeros_like", "full_like"})
+_DRAWS = frozenset({"bernoulli", "bernoulli_", "multinomial", "normal", "normal_", "uniform_", "exponential_",
+                    "geometric_", "cauchy_", "log_normal_", "poisson", "binomial", "rrelu", "rrelu_",
+                    "gumbel_softmax", "fractional_max_pool2d", "fractional_max_pool3d"})
+
+
+def _draws_or_uninitialized(name: str) -> bool:
+    """A function whose result is not a function of its arguments: a random draw or memory left
+    uninitialized (by its Python name: the mode sees ``torch.rand``, ``Tensor.uniform_``...)."""
+    return name.startswith("rand") or "dropout" in name or "empty" in name or name in _DRAWS
+
+
+def _writes_in_place(name: str) -> bool:
+    """``Tensor.add_``, ``__setitem__``, ``__iadd__``...: the first argument written."""
+    return (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or \
+        (name.startswith("__i") and name not in ("__index__", "__int__", "__invert__"))
+
+
 class _RealValueDecisions(logging.Handler):
-    """The unbacked symbols (values of tensors) that export decided a branch on from the real
-    values while the block runs (its log of real-tensor propagation, kept from the user's
-    stderr)."""
+    """The decisions that export took on tensor values from the real values while the forward
+    runs (its log of real-tensor propagation, kept from the user's stderr): ``made``, how many;
+    ``undetermined``, those on values that the shapes alone do not determine (per
+    :class:`_ShapeDeterminedValues`: read from such a tensor while the decision is taken, or on
+    symbols read from such tensors)."""
 
     _LOGGER = "torch.fx.experimental.symbolic_shapes"
     QUIETED = "rkgb.capture.none"  # (:func:`_export_quietly` leaves the logger above to this handler)
 
-    def __init__(self) -> None:
+    def __init__(self, values: _ShapeDeterminedValues) -> None:
         super().__init__(logging.WARNING)
-        self.symbols: set = set()
+        self.values = values
+        self.made = 0
+        self.undetermined: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if str(record.msg).startswith("propagate_real_tensors") and record.args:
-            self.symbols |= set(getattr(record.args[0], "free_symbols", ()))
+        if not (str(record.msg).startswith("propagate_real_tensors") and record.args):
+            return
+        self.made += 1
+        symbols = set(getattr(record.args[0], "free_symbols", ()))
+        reading = self.values.reading
+        if not (reading and reading[-1]) and not (symbols and symbols <= self.values.symbols):
+            self.undetermined.append(str(record.args[0]))
 
     def __enter__(self):
         logger = logging.getLogger(self._LOGGER)
@@ -881,19 +991,6 @@ class _RealValueDecisions(logging.Handler):
         logger = logging.getLogger(self._LOGGER)
         level, logger.propagate, logger.handlers = self._saved
         logger.setLevel(level)  # (setLevel, not the attribute: it clears logging's cache of levels)
-
-
-def _decided_by_shapes(graph: torch.fx.Graph, symbols: set) -> bool:
-    """Every value in ``symbols`` (export's unbacked symbols) asserted by a node of ``graph``
-    (the runtime assertion that real-tensor propagation leaves for a branch it took), and those
-    assertions computed only from what the shapes determine: from no placeholder (input,
-    parameter, buffer, constant), no random draw and no uninitialized memory. A decision that no
-    assertion records is not known to depend on the shapes alone."""
-    asserts = [node for node in graph.nodes if node.target is _ASSERT_SCALAR]
-    messages = " ".join(str(node.args[1:]) for node in asserts)
-    if not all(re.search(rf"\b{re.escape(str(symbol))}\b", messages) for symbol in symbols):
-        return False
-    return not _undetermined_sources(_ancestors(asserts))
 
 
 _ASSERT_SCALAR = torch.ops.aten._assert_scalar.default
@@ -909,24 +1006,6 @@ def _ancestors(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
             closure[node] = None
             stack.extend(node.all_input_nodes)
     return list(closure)
-
-
-def _undetermined_sources(nodes: list[torch.fx.Node]) -> list[str]:
-    """The nodes among ``nodes`` whose values the shapes do not determine: placeholders (inputs,
-    parameters, buffers, constants), random draws (a LayerDrop's ``torch.rand([])``) and
-    uninitialized memory."""
-    return [node.name for node in nodes
-            if node.op == "placeholder" or (node.op == "call_function" and _undetermined(node.target))]
-
-
-def _undetermined(target) -> bool:
-    """An operation whose result is not a function of its arguments' shapes and values."""
-    tags = getattr(target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags or torch.Tag.nondeterministic_bitwise in tags or \
-        getattr(getattr(target, "overloadpacket", None), "__name__", "") in _UNINITIALIZED
-
-
-_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
 def _drop_value_branches(graph: torch.fx.Graph) -> None:
@@ -1298,12 +1377,15 @@ def _capture(model: nn.Module, sample) -> CapturedGraph:
             # (the watch follows the user's forward: not the retrace of run_decompositions, which
             # it slowed by a tenth)
             with watch, _host_random_draws(model), _distribution_checks_off():
-                exported = _export_along_eager_paths(model, args, printed)
+                exported, real_values = _export_along_eager_paths(model, args, printed)
             inplace = user_inplace_ops(exported.graph)
             without_grad = _no_grad_regions(exported.graph)
             targets = {node.name: node.target for node in exported.graph.nodes}
             traced = TracedProgram.of(exported.graph)
-            exported = exported.run_decompositions(_hidden_mutations(exported.graph))
+            with _math_attention() if real_values else contextlib.nullcontext():
+                exported = exported.run_decompositions(_hidden_mutations(exported.graph))
+            if real_values:
+                _drop_real_values(exported.graph)
     except UnsupportedOperation:
         raise
     except Exception as error:  # torch raises many types; we re-raise one with context

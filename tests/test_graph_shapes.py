@@ -505,6 +505,83 @@ def test_a_branch_on_values_that_the_shapes_determine_is_eagers():
     assert "_assert_scalar" not in code and "cumsum" not in code
 
 
+def test_the_capture_lets_go_of_the_real_values_it_propagated():
+    """Real-value propagation leaves the sample forward's intermediates on the graph's fake values
+    (eager's activations, on the user's device): the compiled module held them (rkgb.capture.
+    _drop_real_values). Only the sample's tensors stay (one copy: the size of the input)."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def held() -> dict:
+        gc.collect()
+        return {id(value): value.real_tensor for value in gc.get_objects()
+                if isinstance(value, FakeTensor) and getattr(value, "real_tensor", None) is not None}
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16)
+    before = held()  # (other tests' leftovers, in this process)
+    compiled = Rockmate(_CausalUnlessPacked(), x, "1GB", solver="none")
+    intermediates = [tuple(t.shape) for key, t in held().items() if key not in before and t.numel()
+                     and not (t.shape == x.shape and torch.equal(t, x))]
+    assert intermediates == []
+    assert compiled is not None
+
+
+def _overwritten_view(model, x):
+    ones = torch.ones(x.shape[1])
+    half = ones[:6]  # a view made before its storage is written from the input
+    ones.copy_(x[0, :, 0])
+    return (half != 0).all()
+
+
+# branches on values that the shapes alone determine: decided at capture as eager decides them
+_SHAPE_DETERMINED = {
+    "arange_all": lambda model, x: (torch.arange(x.shape[1]) >= 0).all(),
+    "item_then_python": lambda model, x: torch.arange(x.shape[1]).sum().item() == x.shape[1] * (x.shape[1] - 1) // 2,
+    "ones_like_input": lambda model, x: torch.ones_like(x).bool().all(),
+}
+# and on values that they do not: a CaptureError naming the line, as any branch on values
+_NOT_SHAPE_DETERMINED = {
+    "buffer": lambda model, x: (model.zeros == 0).all(),
+    "written_from_input": lambda model, x: (torch.ones(x.shape[1]).copy_(x[0, :, 0]) > -1e9).all(),
+    "view_of_overwritten": _overwritten_view,
+    "random_draws": lambda model, x: (torch.rand(3) >= 0).all(),
+}
+
+
+class _BranchOnValues(nn.Module):
+    def __init__(self, condition) -> None:
+        super().__init__()
+        self.lin, self.condition = nn.Linear(16, 16), condition
+        self.register_buffer("zeros", torch.zeros(4))
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h * 2 if self.condition(self, x) else h
+
+
+@pytest.mark.parametrize("case", sorted(_SHAPE_DETERMINED))
+def test_a_branch_on_values_made_from_shapes_is_taken_as_eager_takes_it(case):
+    """The capture follows which tensors hold values the shapes determine, call by call
+    (rkgb.capture._ShapeDeterminedValues), not through what export's graph keeps of a decision:
+    torch 2.11 keeps no runtime assertion of it (Llama's packed-sequence test baked a mask on the
+    GPU machines, where torch 2.13 took eager's is_causal). Exact, and the taken branch is eager's."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16)
+    check_training(_BranchOnValues(_SHAPE_DETERMINED[case]), (x,), 1.0)
+    assert "_assert_scalar" not in Rockmate(_BranchOnValues(_SHAPE_DETERMINED[case]), x, "1GB", solver="none").code
+
+
+@pytest.mark.parametrize("case", sorted(_NOT_SHAPE_DETERMINED))
+def test_a_branch_on_values_not_made_from_shapes_alone_stays_a_capture_error(case):
+    """A buffer, a tensor written in place from the input (or a view of it made before), a random
+    draw: the branch could go the other way at another call, so no branch is baked."""
+    x = torch.randn(2, 12, 16)
+    with pytest.raises(CaptureError, match="data-dependent"):
+        Rockmate(_BranchOnValues(_NOT_SHAPE_DETERMINED[case]), x, "1GB", solver="none")
+
+
 def test_eager_paths_leave_lazy_attributes_alone(monkeypatch):
     """transformers 5's lazy modules import a submodule on a missing attribute (an image processor
     importing torchvision, absent here): only the attributes a module has are replaced."""
