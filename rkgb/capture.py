@@ -677,8 +677,8 @@ class _ForwardWatch(TorchFunctionMode):
         try:
             result = func(*args, **kwargs)
         except GuardOnDataDependentSymNode:
-            if self.blamed is None:
-                self.blamed = _user_line()
+            # the latest: the capture's last attempt, along the compiler's paths, is the one reported
+            self.blamed = _user_line()
             raise
         if func is torch.rand and isinstance(result, torch.Tensor) and result.numel() == 1:
             self.draws[id(result)] = weakref.ref(result)
@@ -1404,6 +1404,10 @@ def _capture(model: nn.Module, sample) -> CapturedGraph:
             hint = (f"\nThe forward branches on {watch.undecided[-1]} (a LayerDrop, as in transformers' "
                     "BART and Whisper?): which layers run is random, a graph cannot follow it; set the drop "
                     "probability to 0 (e.g. config.encoder_layerdrop = config.decoder_layerdrop = 0.0).")
+        elif watch.blamed is not None and "expert" in watch.blamed and "transformers" in watch.blamed:
+            hint = ("\nA mixture-of-experts layer routes each token by its router's values (a loop over the "
+                    "experts hit): with transformers 5, experts_implementation=\"batched_mm\" in the model's "
+                    "config runs the experts without it (every shape fixed).")
         elif watch.packed:
             hint = ("\nThe forward packs sequences (torch.nn.utils.rnn.pack_padded_sequence): a packed batch's "
                     "layout depends on the values of the lengths, which a graph cannot follow; run the RNN on the "

@@ -148,6 +148,30 @@ def _checkpoint_function() -> type:
 _CHECKPOINT = _checkpoint_function()
 
 
+# the module of the Functions that torch.library makes for custom operators' autograd
+# (``register_autograd``): export keeps the operator itself, whose autograd kernel runs again
+# when the plan calls it
+_CUSTOM_OP_AUTOGRAD = "torch._library.autograd"
+
+
+def _custom_operator(cls, args: tuple, kwargs: dict):
+    """A custom operator's autograd Function (torch.library), applied as it is: export keeps the
+    operator as one node. Refused where its context keeps tensors outside ``save_for_backward``
+    (transformers 5's MoE ``grouped_mm_fallback`` keeps its offsets so): the plan may let go of
+    them before the backward reads them (the experts' gradients were zeros)."""
+    result = _ORIGINAL_APPLY(cls, *args, **kwargs)
+    kept = _tensors_on_ctx([result] if isinstance(result, torch.Tensor) else result)
+    if kept:
+        name = cls.__name__.removeprefix("GeneratedBackwardFor_")
+        hint = (" transformers' mixture-of-experts layers (Mixtral, Qwen2-MoE...) run without it with "
+                "experts_implementation=\"batched_mm\" in their config.") if "grouped_mm" in name else ""
+        raise FunctionCallError(
+            f"the custom operator {name}{_caller_of_apply()} keeps tensors on its autograd context "
+            f"({', '.join(kept)}) rather than through ctx.save_for_backward: the memory model cannot see "
+            f"(nor keep) them; save them with ctx.save_for_backward in its setup_context.{hint}")
+    return result
+
+
 class CustomFunctions:
     """While the model is captured (a context manager), each custom Function applied with grad
     (grad mode on, a tensor argument that requires it) becomes a ``rockmate::function_call``;
@@ -169,6 +193,8 @@ class CustomFunctions:
             if not torch.is_grad_enabled() or not any(
                     isinstance(value, torch.Tensor) and value.requires_grad for value in (*args, *kwargs.values())):
                 return _ORIGINAL_APPLY(cls, *args, **kwargs)
+            if cls.__module__ == _CUSTOM_OP_AUTOGRAD:
+                return _custom_operator(cls, args, kwargs)
             where = _caller_of_apply()
             template, tensors = [], []
             for value in args:
@@ -198,6 +224,7 @@ class CustomFunctions:
 def _caller_of_apply() -> str:
     """`` (at file:line)`` of the innermost frame outside torch that called ``Function.apply``."""
     frame = sys._getframe(2)
-    while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
-        frame = frame.f_back
+    while frame is not None and (f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
+                                 or os.path.dirname(frame.f_code.co_filename) == os.path.dirname(__file__)):
+        frame = frame.f_back  # torch's frames and this package's (the capture's TorchFunctionMode)
     return "" if frame is None else f" (at {frame.f_code.co_filename}:{frame.f_lineno})"

@@ -623,6 +623,76 @@ def test_custom_functions_that_cannot_be_one_operation_are_clear_errors(model, n
         _compiled(model())
 
 
+@torch.library.custom_op("rockmate_test::doubled_gradient_tanh", mutates_args=())
+def _doubled_gradient_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x)
+
+
+@_doubled_gradient_tanh.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _save_output(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _doubled_tanh_backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return 2 * grad * (1 - y * y)  # its own formula: not the derivative of its forward
+
+
+_doubled_gradient_tanh.register_autograd(_doubled_tanh_backward, setup_context=_save_output)
+
+
+@torch.library.custom_op("rockmate_test::mask_on_context", mutates_args=())
+def _mask_on_context(x: torch.Tensor) -> torch.Tensor:
+    return x * (x > 0)
+
+
+@_mask_on_context.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _keep_mask(ctx, inputs, output):
+    ctx.mask = inputs[0] > 0  # held by the backward node, not through save_for_backward
+
+
+_mask_on_context.register_autograd(lambda ctx, grad: grad * ctx.mask, setup_context=_keep_mask)
+
+
+class _CustomOperators(nn.Module):
+    def __init__(self, operator) -> None:
+        super().__init__()
+        self.a, self.b, self.operator = nn.Linear(8, 16), nn.Linear(16, 8), operator
+
+    def forward(self, x):
+        return self.b(self.operator(self.a(x)) + 1)
+
+
+def test_a_custom_operator_with_its_own_autograd_trains_exactly():
+    """A torch.library custom operator with ``register_autograd``: export keeps the operator as
+    one node, whose autograd kernel runs its own backward when the plan calls it (refused before
+    as a Function with a non-tensor argument: the dispatcher's keyset). Its backward doubles
+    autograd's derivative, so a plan that differentiated its forward would not be bitwise."""
+    from exactness import check_training
+
+    torch.manual_seed(0)
+    for fraction in (1.0, 0.0):
+        report = check_training(_CustomOperators(torch.ops.rockmate_test.doubled_gradient_tanh), (X,), fraction)
+    assert report.at_minimum and "doubled_gradient_tanh" in report.compiled.code
+
+
+def test_a_custom_operator_keeping_tensors_on_its_context_is_a_clear_error():
+    """Its context's tensors are out of the memory model's sight: the plan could let go of them
+    before its backward reads them (transformers 5's MoE grouped_mm_fallback keeps its offsets
+    so: the experts' gradients were zeros, silently). Refused with its name and line."""
+    with pytest.raises(UnsupportedOperation, match=r"custom operator rockmate_test_mask_on_context_default "
+                                                   r"\(at .*test_misuse.py:\d+\).*\(mask\)"):
+        _compiled(_CustomOperators(torch.ops.rockmate_test.mask_on_context))
+
+
 class _SparseEmbedding(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -151,6 +151,16 @@ MODELS = {
 }
 
 
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+if TRANSFORMERS_5:  # (4.x's Mixtral has only the loop over the experts hit)
+    # mixture of experts with its fixed-shape implementation (transformers 5's default, grouped_mm,
+    # is refused on the CPU: test_mixture_of_experts_...; "eager" loops over the experts hit);
+    # a gradient through the routing weights of the top-k experts
+    MODELS["mixtral"] = lambda: _causal(T.MixtralForCausalLM(T.MixtralConfig(
+        **SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        experts_implementation="batched_mm")))
+
+
 def _wav2vec2_config(**options):
     return T.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                             conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
@@ -197,6 +207,26 @@ def test_numpy_draws_in_the_forward_are_a_clear_error():
     with pytest.raises(UnsupportedOperation, match=r"numpy.random .*mask_time_prob"):
         Rockmate(model, {"input_values": torch.randn(2, 800)}, "10GB", solver="none")
     assert numpy.array_equal(numpy.random.get_state()[1], state)
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 5's experts implementations")
+@pytest.mark.parametrize("implementation, error, what", [
+    ("grouped_mm", "UnsupportedOperation", r"custom operator transformers_grouped_mm_fallback_default .*\(offs\)"),
+    ("eager", "CaptureError", r"modeling_mixtral.py, line \d+, in forward: for expert_idx in expert_hit"),
+])
+def test_mixture_of_experts_that_cannot_be_captured_say_batched_mm(implementation, error, what):
+    """transformers 5's default experts (grouped_mm: its CPU fallback, a custom operator keeping
+    its offsets on its autograd context, trained the experts with zero gradients, silently, once
+    custom operators were kept as operators) and the eager loop over the experts hit (blamed
+    before on the capture's first attempt's line, the packed-sequence check): each says so, with
+    the implementation that Rockmate captures (MODELS' "mixtral")."""
+    import rockmate
+
+    model, call = _causal(T.MixtralForCausalLM(T.MixtralConfig(
+        **SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        experts_implementation=implementation)))
+    with pytest.raises(getattr(rockmate, error), match=rf"(?s){what}.*batched_mm"):
+        Rockmate(model.train(), call, "10GB", solver="none")
 
 
 def test_a_kv_cache_output_names_use_cache():
