@@ -31,7 +31,6 @@ import io
 import logging
 import operator
 import os
-import re
 import sys
 import warnings
 import weakref
@@ -923,14 +922,13 @@ class _ShapeDeterminedValues(TorchFunctionMode):
         result = func(*args, **kwargs)
         written = kwargs.get("out", args[0] if args and _writes_in_place(name) else None)
         for value in torch.utils._pytree.tree_leaves((result, written)):
-            if not isinstance(value, torch.Tensor):
-                continue
-            if determined:
-                self._determined[id(value)] = weakref.ref(value)
-            else:
-                self._determined.pop(id(value), None)
-                if value is written or written is not None and value is result:
-                    self._overwritten.add(storage_identity(value))
+            if isinstance(value, torch.Tensor):
+                if determined:
+                    self._determined[id(value)] = weakref.ref(value)
+                else:
+                    self._determined.pop(id(value), None)
+        if isinstance(written, torch.Tensor) and not determined:  # (its views made before too)
+            self._overwritten.add(storage_identity(written))
         return result
 
 
@@ -958,9 +956,9 @@ def _writes_in_place(name: str) -> bool:
 class _RealValueDecisions(logging.Handler):
     """The decisions that export took on tensor values from the real values while the forward
     runs (its log of real-tensor propagation, kept from the user's stderr): ``made``, how many;
-    ``undetermined``, those on values that the shapes alone do not determine (per
-    :class:`_ShapeDeterminedValues`: read from such a tensor while the decision is taken, or on
-    symbols read from such tensors)."""
+    ``undetermined``, those on values that the shapes alone may not determine (a decision is on
+    such values when taken while a tensor that :class:`_ShapeDeterminedValues` follows is read,
+    or on symbols read from such tensors)."""
 
     _LOGGER = "torch.fx.experimental.symbolic_shapes"
     QUIETED = "rkgb.capture.none"  # (:func:`_export_quietly` leaves the logger above to this handler)
