@@ -361,7 +361,11 @@ class _Generator:
                 # made yet: a forward without grad, recomputed later), into the result's gradient
                 base = self.late_result_views[view]
                 views = [view] + self.late_view_views.get(view, [])
-                function = self.bind(_ViewsOfBase(base, [self.body_lines[v] for v in views]), "views")
+                # (and the splits whose pieces are among them, which the pieces are made from)
+                made = set(views) | {self.body_lines[v].args[0].name for v in views
+                                     if self.body_lines[v].target is operator.getitem}
+                lines = [line for name, line in self.body_lines.items() if name in made]
+                function = self.bind(_ViewsOfBase(base, lines, outputs=views), "views")
                 w(f"late_views_gradient(s.{base}, {function}, {self.tuple(f's.{v}' for v in views)}, s.sink_{base})")
 
     def split_reads(self, w: _Writer, node: SimplifiedNode) -> dict[str, list[str]]:
@@ -381,7 +385,7 @@ class _Generator:
         # its own alias, so that the group sums each contribution in turn, as eager's view
         # buffer does (where the engine would sum the island's reads first)
         lines_by_name = {line.name: line for line in node.prelude}
-        remade = {name for name in grouped if counts.get(name, 0) > 1 and self._input_of_view(lines_by_name[name])
+        remade = {name for name in grouped if counts.get(name, 0) > 1 and self._base_of_grouped_view(lines_by_name[name])
                   and isinstance(lines_by_name[name].meta.get("val"), torch.Tensor)}  # (not a split's pieces)
         # groups summed at their views' size: the reads of the chain's last view are aliases of
         # that view (the chain's lines are not written), and so are the reads of views of
@@ -424,9 +428,10 @@ class _Generator:
                     sources.append(alias)
                 elif arg.name in remade:
                     view = lines_by_name[arg.name]
-                    base = self._input_of_view(view)
+                    base = self._base_of_grouped_view(view)
                     alias = self._read_alias(base)
-                    w(f"{alias} = use(s.{base}, s.sink_{base}, ({-self.position[line.name]}, {k}), True, {view.name!r})")
+                    w(f"{alias} = use(s.{base}, s.sink_{base}, ({-self.position[line.name]}, {k}), "
+                      f"{base in self.input_names}, {view.name!r})")
                     copy = self._read_alias(view.name)
                     w(f"{copy} = {self.call(view, [alias])}")
                     sources.append(copy)
@@ -456,6 +461,17 @@ class _Generator:
         alias = f"{name}_read{len(self.split_aliases)}"
         self.split_aliases.append(alias)
         return alias
+
+    def _base_of_grouped_view(self, line: torch.fx.Node) -> str | None:
+        """What grouped view ``line`` reads, with a gradient sink: a model input, or the node
+        result of a view group of results (``SimplifiedGraph.grouped_views``: fuzz seed 193's
+        ``v3 = v1.view(...)`` read twice by one ``cat``, whose two contributions the island's
+        engine summed before the group's first, where eager adds each in turn), else None."""
+        base = self._input_of_view(line)
+        if base is None and self.graph.grouped_views.get(line.name) in self.sink_names \
+                and len(tensor_args(line)) == 1 and tensor_args(line)[0].name == self.graph.grouped_views[line.name]:
+            base = self.graph.grouped_views[line.name]
+        return base
 
     def _input_of_view(self, line: torch.fx.Node) -> str | None:
         """The model input (with a gradient sink) that ``line``, a view, reads as its one fx
@@ -946,10 +962,12 @@ def _views_of_late_views(graph: SimplifiedGraph, infos: dict[str, "NodeInfo"],
                          late: dict[str, str]) -> dict[str, list[str]]:
     """For each late view (:func:`_result_views_made_late`), the views of it (or of those, in
     body order) that its node also exports, requiring grad and not late themselves (Mamba's
-    ``u = x.transpose(1, 2)`` read late, and ``u[..., None]``): eager adds their gradients into
-    the late view's buffer (their backwards run before the view's) and passes the sum on at the
-    view's place; passing the view's gradient alone there left theirs for the node's backward,
-    summed in another order."""
+    ``u = x.transpose(1, 2)`` read late, and ``u[..., None]``), and the pieces of a split of them
+    (``h.view(h.shape).chunk(2, -1)`` read by other nodes, fuzz seed 193): eager adds their
+    gradients into the late view's buffer (their backwards run before the view's; a split's sums
+    its pieces' first) and passes the sum on at the view's place; passing the view's gradient
+    alone there left theirs for the node's backward, summed in another order (a first layer's
+    gradient 1 ulp off)."""
     holder = {line.name: node for node in graph.nodes for line in node.lines}
     found: dict[str, list[str]] = {}
     for view in late:
@@ -957,9 +975,14 @@ def _views_of_late_views(graph: SimplifiedGraph, infos: dict[str, "NodeInfo"],
         info = infos[node.name]
         family = {view}
         for line in node.body:
-            if line.name in info.exported and line.name not in late and info.exported_requires_grad.get(line.name) \
-                    and getattr(line.target, "__name__", "").split(".")[0] in _REVIEWING_VIEWS \
-                    and isinstance(line.args[0], torch.fx.Node) and line.args[0].name in family:
+            if line.name not in info.exported or line.name in late or not info.exported_requires_grad.get(line.name):
+                continue
+            source = line.args[0] if line.args and isinstance(line.args[0], torch.fx.Node) else None
+            if line.target is operator.getitem and source is not None and source.target in SPLIT_TARGETS:
+                source = source.args[0]  # a piece of a split of the view: its backward sums the pieces
+            elif getattr(line.target, "__name__", "").split(".")[0] not in _REVIEWING_VIEWS:
+                continue
+            if source is not None and source.name in family:
                 family.add(line.name)
                 found.setdefault(view, []).append(line.name)
     return found
@@ -1046,18 +1069,20 @@ def generate(
 
 class _ViewsOfBase:
     """Views made from one base, each of it or of one made before it (a late view and the
-    views of it its node exports: :func:`_views_of_late_views`), as a function of the base."""
+    views of it its node exports: :func:`_views_of_late_views`), as a function of the base:
+    the values of ``outputs`` (default: every line's; a split is made for its pieces)."""
 
-    def __init__(self, base: str, lines: list[torch.fx.Node]) -> None:
+    def __init__(self, base: str, lines: list[torch.fx.Node], outputs: list[str] | None = None) -> None:
         self.base = base
         self.lines = [(line.name, line.target, line.args, line.kwargs) for line in lines]
+        self.outputs = [line.name for line in lines] if outputs is None else list(outputs)
 
     def __call__(self, base: torch.Tensor) -> tuple[torch.Tensor, ...]:
         values = {self.base: base}
         for name, target, args, kwargs in self.lines:
             args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda node: values[node.name])
             values[name] = target(*args, **kwargs)
-        return tuple(values[name] for name, *_ in self.lines)
+        return tuple(values[name] for name in self.outputs)
 
     def __repr__(self) -> str:
         return f"<views of {self.base}: {', '.join(name for name, *_ in self.lines)}>"

@@ -38,3 +38,22 @@ def test_planning_leaves_the_users_cuda_generator_alone():
     before = torch.cuda.get_rng_state()
     Rockmate(model, sample, "50%")
     assert torch.equal(torch.cuda.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_branch_on_shape_determined_values_beside_fused_attention_on_cuda(dtype):
+    """The capture takes the branch as eager does by propagating real values (test_graph_shapes'
+    _CausalUnlessPacked, transformers 5's packed-sequence test): through CUDA's fused attention
+    kernels that failed (their random-state outputs against their fake kernels', BART on an H200,
+    torch 2.11), so the math kernel runs while real values propagate; the graph keeps the
+    composite attention, whose kernel is chosen at run time. Eager's is_causal branch, bitwise."""
+    import re
+
+    from test_graph_shapes import _CausalUnlessPacked
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 12, 16, device="cuda", dtype=dtype)
+    model = _CausalUnlessPacked().to(device="cuda", dtype=dtype)
+    code = Rockmate(model, x, "1GB", solver="none").code
+    assert re.search(r"scaled_dot_product_attention\.default\(\w+, \w+, \w+, None, 0\.0, True\)", code)
+    check_training(_CausalUnlessPacked().to(device="cuda", dtype=dtype), (x,), 0.0, at_minimum=True)

@@ -232,6 +232,16 @@ GRID = dict(peak_steps=3, save_steps=3)
 # gradients and two sums were held at once, 776 B above the plan at the loss)
 @example(written([("relu", [0]), ("batch_norm_unused", [1]), ("dropout_unused", [2]), ("index_assign", [3, 3]),
                   ("dropout_unused", [4])], [1, 2, 4, 5], batch=3, input_requires_grad=True), 0.8)
+# a result read by a node made before its view (h + h), the view split by one node and sliced by
+# another (fuzz seed 193): the split's pieces, exported by the result's node, passed their
+# gradients to the node's backward after h + h's, where eager sums them into the view's first
+@example(written([("linear", [0]), ("add", [1, 1]), ("identity_view", [1]), ("chunk_mul", [3]),
+                  ("cat_time", [4, 3])], [2, 5], batch=3, seq=6, dim=16, dtype=torch.float64, seed=11581), 1.0)
+# ... the view read twice by one cat beside a slice of it in another node (fuzz seed 193): the
+# island's engine summed the cat's two contributions before the group's first
+@example(written([("conv1d", [0]), ("add", [1, 1]), ("identity_view", [1]), ("cat_linear", [3, 3]),
+                  ("conv1d", [4]), ("cat_time", [5, 3])], [2, 6], batch=3, seq=6, dim=16, dtype=torch.float64,
+                 seed=11581), 0.3)
 def test_random_models_are_exact_and_within_budget(program, fraction):
     check_program(program, fraction, **GRID)
 
