@@ -1364,7 +1364,7 @@ def _capture(model: nn.Module, sample) -> CapturedGraph:
     _check_batch_norm_momentum(model)
     printed = io.StringIO()  # what the forward prints while it is traced (see below)
     watch = _ForwardWatch({id(p) for p in model.parameters()} | {id(a) for a in args if isinstance(a, torch.Tensor)})
-    functions = CustomFunctions()
+    functions = CustomFunctions(model)
     hooks = _TensorHooks()
     try:
         # random ops whose results are unused still advance the generator in eager: the
@@ -1438,10 +1438,10 @@ def _capture(model: nn.Module, sample) -> CapturedGraph:
     if functions.refused:
         raise UnsupportedOperation(
             f"{_model_name(model)}'s forward applies custom torch.autograd.Function(s) to tensors that require "
-            f"grad with arguments Rockmate cannot pass on: {'; '.join(functions.refused)}. torch.export keeps a "
+            f"grad in a way Rockmate cannot stand for: {'; '.join(functions.refused)}. torch.export keeps a "
             "Function's forward and drops its backward, so Rockmate applies the Function itself as one operation "
-            "(rkgb.functions), which takes tensors and constants as positional arguments: pass the others "
-            "as constants, or replace the Function by plain tensor operations.")
+            "(rkgb.functions), through Function.apply, with tensors and constants as positional arguments: pass "
+            "the others as constants, or replace the Function by plain tensor operations.")
     _refuse_sparse_gradients(exported.graph)
     _refuse_value_dependent_shapes(exported.graph)
     detach_no_grad_results(exported.graph, without_grad, exported.graph_signature.output_specs)

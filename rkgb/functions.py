@@ -89,11 +89,21 @@ class FunctionCallError(RuntimeError):
     """A Function whose call the operator cannot stand for (raised inside export)."""
 
 
+# how many Function applies are running through the capture's apply or the operator (a
+# Function's forward run otherwise, while capturing, had its apply bound before: see
+# CustomFunctions._watch_forwards)
+_APPLYING = [0]
+
+
 def _function_call(function: int, args: list[torch.Tensor]) -> list[torch.Tensor]:
     applied = _APPLIED[function]
     arguments = [args[value] if kind == "tensor" else value for kind, value in applied.template]
     versions = [arg._version for arg in args]
-    result = _ORIGINAL_APPLY(applied.function, *arguments)
+    _APPLYING[0] += 1
+    try:
+        result = _ORIGINAL_APPLY(applied.function, *arguments)
+    finally:
+        _APPLYING[0] -= 1
     applied.single = isinstance(result, torch.Tensor)
     results = [result] if applied.single else result
     if not isinstance(results, (tuple, list)) or not all(isinstance(r, torch.Tensor) for r in results):
@@ -178,14 +188,65 @@ class CustomFunctions:
     ``refused`` lists those it cannot stand for (arguments other than tensors and constants),
     which :func:`rkgb.capture.capture` reports."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
         self.refused: list[str] = []
+        self.model = model
+        self._rebound: list[tuple[dict, str, object]] = []
+
+    def _rebind_stored_applies(self) -> None:
+        """``self.fn = MyFunction.apply`` in a module's ``__init__`` keeps the apply bound before
+        the capture patched it, which would trace the Function's forward without its backward
+        (silently wrong gradients): while capturing, such attributes hold the patched apply."""
+        for module in self.model.modules() if self.model is not None else ():
+            for name, value in list(vars(module).items()):
+                owner = getattr(value, "__self__", None)
+                if getattr(value, "__func__", None) is _ORIGINAL_APPLY and isinstance(owner, type) \
+                        and issubclass(owner, torch.autograd.Function):
+                    self._rebound.append((vars(module), name, value))
+                    vars(module)[name] = owner.apply
+
+    def _watch_forwards(self) -> None:
+        """Wrap the forward of every Function class defined outside torch, to see one run
+        without this capture's apply: an apply bound before the capture and kept elsewhere than
+        a module attribute (``reverse = GradReverse.apply`` at a module's top level), whose
+        Function export would trace without its backward (silently wrong gradients): refused."""
+        self._watched: list[tuple[type, object]] = []
+        classes, stack = [], list(torch.autograd.Function.__subclasses__())
+        while stack:
+            cls = stack.pop()
+            stack.extend(cls.__subclasses__())
+            if not cls.__module__.split(".")[0] == "torch" and isinstance(vars(cls).get("forward"), staticmethod):
+                classes.append(cls)
+        refused = self.refused
+        for cls in classes:
+            original = vars(cls)["forward"]
+
+            def forward(*args, _forward=original.__func__, _cls=cls, **kwargs):
+                if not _APPLYING[0] and any(isinstance(value, torch.Tensor) and value.requires_grad
+                                            for value in (*args, *kwargs.values())):
+                    where = _caller_of_apply()
+                    note = (f"{_cls.__module__}.{_cls.__qualname__}{where} (its apply was bound before "
+                            f"Rockmate captured the model, e.g. `name = {_cls.__name__}.apply` at a "
+                            f"module's top level: call {_cls.__name__}.apply(...) where it is used)")
+                    if note not in refused:
+                        refused.append(note)
+                return _forward(*args, **kwargs)
+
+            self._watched.append((cls, original))
+            cls.forward = staticmethod(forward)
 
     def __enter__(self):
         self._patched = torch.autograd.function.Function.__dict__["apply"]
         refused = self.refused
 
         def apply(cls, *args, **kwargs):
+            _APPLYING[0] += 1
+            try:
+                return applied(cls, *args, **kwargs)
+            finally:
+                _APPLYING[0] -= 1
+
+        def applied(cls, *args, **kwargs):
             if cls is _CHECKPOINT and torch.is_grad_enabled() and not kwargs and any(
                     isinstance(value, torch.Tensor) and value.requires_grad for value in args[2:]):
                 function, _, *inputs = args  # (run_function, preserve_rng_state, *args)
@@ -215,10 +276,18 @@ class CustomFunctions:
             return results[0] if _APPLIED[index].single else tuple(results)
 
         torch.autograd.function.Function.apply = classmethod(apply)
+        self._rebind_stored_applies()
+        self._watch_forwards()
         return self
 
     def __exit__(self, *exc) -> None:
         torch.autograd.function.Function.apply = self._patched
+        for cls, original in self._watched:
+            cls.forward = original
+        self._watched.clear()
+        for attributes, name, value in self._rebound:
+            attributes[name] = value
+        self._rebound.clear()
 
 
 def _caller_of_apply() -> str:

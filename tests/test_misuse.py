@@ -540,15 +540,15 @@ class _NoisyStraightThrough(torch.autograd.Function):
 
 
 class _NoisyLayers(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, noisy=_NoisyStraightThrough.apply) -> None:
         super().__init__()
-        self.a, self.c = nn.Linear(16, 64), nn.Linear(64, 4)
+        self.a, self.c, self.noisy = nn.Linear(16, 64), nn.Linear(64, 4), noisy
         self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
 
     def forward(self, x):
         h = self.a(x)
         for layer in self.layers:
-            h = h + layer(torch.tanh(_NoisyStraightThrough.apply(h)))
+            h = h + layer(torch.tanh(self.noisy(h)))
         return self.c(h)
 
 
@@ -676,19 +676,6 @@ def _(x):
 _noisy.register_autograd(lambda ctx, grad: grad)
 
 
-class _NoisyOperatorLayers(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.c = nn.Linear(8, 64), nn.Linear(64, 4)
-        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(6))
-
-    def forward(self, x):
-        h = self.a(x)
-        for layer in self.layers:
-            h = h + layer(torch.tanh(torch.ops.rockmate_test.noisy(h)))
-        return self.c(h)
-
-
 class _CustomOperators(nn.Module):
     def __init__(self, operator) -> None:
         super().__init__()
@@ -718,7 +705,7 @@ def test_a_custom_operator_recomputed_replays_its_draws():
     from exactness import check_training
 
     torch.manual_seed(0)
-    report = check_training(_NoisyOperatorLayers(), (torch.randn(64, 8),), 0.0)
+    report = check_training(_NoisyLayers(torch.ops.rockmate_test.noisy), (torch.randn(64, 16),), 0.0)
     assert report.at_minimum
     code = report.compiled.code
     assert len(re.findall(r"# fwd_noisy", code)) > 6  # six operators, some run again
@@ -732,6 +719,47 @@ def test_a_custom_operator_keeping_tensors_on_its_context_is_a_clear_error():
     with pytest.raises(UnsupportedOperation, match=r"custom operator rockmate_test_mask_on_context_default "
                                                    r"\(at .*test_misuse.py:\d+\).*\(mask\)"):
         _compiled(_CustomOperators(torch.ops.rockmate_test.mask_on_context))
+
+
+class _Reverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+_reverse = _Reverse.apply  # bound at import, before any capture
+
+
+class _StoredApply(nn.Module):
+    def __init__(self, stored: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.stored, self.reverse = nn.Linear(8, 8), nn.Linear(8, 8), stored, _Reverse.apply
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.tanh(self.reverse(h) if self.stored else _reverse(h)))
+
+
+def test_an_apply_kept_in_a_module_attribute_trains_exactly():
+    """``self.reverse = GradReverse.apply`` in ``__init__``: the apply was bound before the
+    capture patched ``Function.apply``, so export traced the Function's forward without its
+    backward (the gradient reversal lost: silently wrong gradients). While capturing, such
+    attributes hold the patched apply."""
+    from exactness import check_training
+
+    torch.manual_seed(0)
+    check_training(_StoredApply(stored=True), (X,), 1.0)
+
+
+def test_an_apply_bound_elsewhere_before_the_capture_is_a_clear_error():
+    """``reverse = GradReverse.apply`` at a module's top level: out of the capture's reach, but
+    seen (each Function's forward is watched while capturing): refused, never silently wrong."""
+    with pytest.raises(UnsupportedOperation, match=r"_Reverse \(at .*test_misuse.py:\d+\).*bound before"):
+        _compiled(_StoredApply(stored=False))
 
 
 class _SparseEmbedding(nn.Module):
