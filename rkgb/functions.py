@@ -185,13 +185,16 @@ def _custom_operator(cls, args: tuple, kwargs: dict):
 class CustomFunctions:
     """While the model is captured (a context manager), each custom Function applied with grad
     (grad mode on, a tensor argument that requires it) becomes a ``rockmate::function_call``;
-    ``refused`` lists those it cannot stand for (arguments other than tensors and constants),
-    which :func:`rkgb.capture.capture` reports."""
+    ``refused`` lists those it cannot stand for (arguments other than tensors and constants, a
+    custom operator keeping tensors on its context, an apply bound before the capture out of its
+    reach), which :func:`rkgb.capture.capture` reports. ``model``: its modules' attributes that
+    hold a Function's apply get the capture's while it runs."""
 
     def __init__(self, model: torch.nn.Module | None = None) -> None:
         self.refused: list[str] = []
         self.model = model
         self._rebound: list[tuple[dict, str, object]] = []
+        self._watched: list[tuple[type, object]] = []
 
     def _rebind_stored_applies(self) -> None:
         """``self.fn = MyFunction.apply`` in a module's ``__init__`` keeps the apply bound before
@@ -210,12 +213,11 @@ class CustomFunctions:
         without this capture's apply: an apply bound before the capture and kept elsewhere than
         a module attribute (``reverse = GradReverse.apply`` at a module's top level), whose
         Function export would trace without its backward (silently wrong gradients): refused."""
-        self._watched: list[tuple[type, object]] = []
         classes, stack = [], list(torch.autograd.Function.__subclasses__())
         while stack:
             cls = stack.pop()
             stack.extend(cls.__subclasses__())
-            if not cls.__module__.split(".")[0] == "torch" and isinstance(vars(cls).get("forward"), staticmethod):
+            if cls.__module__.split(".")[0] != "torch" and isinstance(vars(cls).get("forward"), staticmethod):
                 classes.append(cls)
         refused = self.refused
         for cls in classes:
