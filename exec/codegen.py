@@ -468,10 +468,10 @@ class _Generator:
         ``v3 = v1.view(...)`` read twice by one ``cat``, whose two contributions the island's
         engine summed before the group's first, where eager adds each in turn), else None."""
         base = self._input_of_view(line)
-        if base is None and self.graph.grouped_views.get(line.name) in self.sink_names \
-                and len(tensor_args(line)) == 1 and tensor_args(line)[0].name == self.graph.grouped_views[line.name]:
-            base = self.graph.grouped_views[line.name]
-        return base
+        if base is not None:
+            return base
+        result, args = self.graph.grouped_views.get(line.name), tensor_args(line)
+        return result if result in self.sink_names and [arg.name for arg in args] == [result] else None
 
     def _input_of_view(self, line: torch.fx.Node) -> str | None:
         """The model input (with a gradient sink) that ``line``, a view, reads as its one fx

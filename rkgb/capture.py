@@ -949,8 +949,12 @@ def _draws_or_uninitialized(name: str) -> bool:
 
 def _writes_in_place(name: str) -> bool:
     """``Tensor.add_``, ``__setitem__``, ``__iadd__``...: the first argument written."""
-    return (name.endswith("_") and not name.startswith("__")) or name == "__setitem__" or \
-        (name.startswith("__i") and name not in ("__index__", "__int__", "__invert__"))
+    return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
+
+
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__",
+                              "__ilshift__", "__irshift__"})
 
 
 class _RealValueDecisions(logging.Handler):

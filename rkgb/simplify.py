@@ -480,10 +480,9 @@ def _is_random(node: torch.fx.Node) -> bool:
     operator too, rkgb.functions: its forward may), or it is a custom operator of another library
     (torch.library: its kernel may draw without a tag saying so), whose recomputation then
     replays the generator's state."""
-    tags = getattr(node.target, "tags", ())
     if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace not in _TORCH_NAMESPACES:
         return True
-    return _RANDOM_TAG in tags and not _attention_without_dropout(node)
+    return _RANDOM_TAG in getattr(node.target, "tags", ()) and not _attention_without_dropout(node)
 
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "rockmate", "profiler"})
