@@ -481,6 +481,7 @@ class RkCheckmateILP:
                         size[d] * f for d, f in frees[k]
                     )
                     before = after
+        self.variables = list(prob.variables())  # (sorted by name; the model's structure is fixed from here)
         self.time_unit = max(sum(c.time_s for c in nodes), 1e-30) / 1000.0
         self.time_objective = pulp.lpSum(recompute_time) * (1.0 / self.time_unit)
         self.n_binaries = len(run_vars)
@@ -631,7 +632,7 @@ class RkCheckmateILP:
         """Give every integer variable the value of ``computes`` (a feasible sequence)."""
         from solvers.simulate import schedule_from_computes, simulate
 
-        for v in self.prob.variables():
+        for v in self.variables:
             v.varValue = None
         names = [c.name for c in self.nodes]
         position = 0
