@@ -276,10 +276,13 @@ def _warn_if_shared(grads: list[torch.Tensor | None]) -> None:
     for i, grad in enumerate(grads):
         if grad is None or 0 in grad.stride():
             continue
-        if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+        # (a view of a bigger tensor; read without asking for the storage, whose Python object,
+        # once made, would keep the engine from summing into this gradient in place: rkgb.gradsink)
+        base = grad._base
+        if base is not None and base.numel() > grad.numel():
             warnings.warn(
                 f"Rockmate: the loss's gradient of output {i} is part of a bigger tensor "
-                f"({grad.untyped_storage().nbytes()} B; did the loss read a cat or a stack of the outputs?): "
+                f"({base.numel() * base.element_size()} B; did the loss read a cat or a stack of the outputs?): "
                 "the plan frees each output's gradient after its first use, which that tensor delays; the "
                 f"step's peak may exceed the plan by up to {grad.numel() * grad.element_size()} B. Compute the "
                 "loss from each output separately to keep the budget",

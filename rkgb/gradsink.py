@@ -6,6 +6,14 @@ PyTorch's ``InputBuffer`` would collect them for the node's backward: same tenso
 layouts, same summation order. The inspection (:mod:`rkgb.inspect`) and the executor
 (:mod:`exec.runtime`) use this one class, so that the memory the inspection measures is the
 memory the executor uses.
+
+Storages are compared and counted without making their Python object
+(``tensor.untyped_storage()``): torch keeps that object, and its reference to the storage, for
+as long as the storage lives, and eager's engine adds a contribution into a gradient in place
+(its ``InputBuffer`` steals it) only where the gradient's storage has no other reference. A
+gradient that a sink had asked for its storage made every later sum into it, inside an
+island's engine call, a new tensor (fuzz seed 207: ``v1 - v1`` after ``silu``, one gradient
+more than eager at the peak).
 """
 
 from __future__ import annotations
@@ -63,13 +71,14 @@ class GradSink:
         grad = grad_outputs[0]
         if grad is not None:
             self.calls += 1
-            if self.keys is not None:
+            recording = self.keys is not None
+            if recording:  # (the inspection's figures: their storage's Python object is made)
                 self.keys.record(grad)
-            self.last_bytes = grad.untyped_storage().nbytes()
+                self.last_bytes = grad.untyped_storage().nbytes()
             old = self.leaf.grad
             # held by the leaf's .grad and by `old` alone: the gradient's only holder
             self.leaf.grad = accumulate(old, grad, old is not None and old._use_count() == 2)
-            if old is None:
+            if old is None and recording:
                 self.first_shared = not _addable_in_place(self.leaf.grad)
                 self.first_owned = owns_its_storage(self.leaf.grad)
         return (None,)
@@ -130,7 +139,7 @@ def accumulate(old: torch.Tensor | None, grad: torch.Tensor, held_alone: bool) -
         return grad
     # (a contribution that is the gradient itself, or a view of it: an ``add``'s backward passes
     # its one incoming gradient to every input, and that may be what this sink already holds)
-    same_storage = grad.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
+    same_storage = _storage_address(grad) == _storage_address(old)
     if held_alone and not same_storage and _addable_in_place(old):
         return old.add_(grad)
     return old + grad
@@ -166,8 +175,29 @@ def _addable_in_place(gradient: torch.Tensor) -> bool:
 
 
 def _storage_held_alone(tensor: torch.Tensor) -> bool:
-    """No other tensor (a view) holds the storage (its count: this tensor and the wrapper)."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 2
+    """No other tensor (a view) holds the storage.
+
+    Counted without making the storage's Python object (module docstring) where the count says
+    so alone; a count of two is this tensor and either another holder or that object, made
+    earlier (by the inspection): then the object is asked for (made, where it was not, on a
+    storage shared anyway) and counted with."""
+    count = storage_use_count(tensor)
+    if count <= 1:
+        return True
+    if count > 2:
+        return False
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2  # (3: it was not there)
+
+
+def _storage_address(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage, read without making its Python object."""
+    return torch._C._storage_address(tensor)
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """The references to ``tensor``'s storage (its tensors, views, and its Python object where
+    one was made), read without making that object (module docstring)."""
+    return torch._C._storage_Use_Count(torch._C._storage_address(tensor))
 
 
 def owns_its_storage(tensor: torch.Tensor) -> bool:
