@@ -189,15 +189,21 @@ def _storage_held_alone(tensor: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) == 2  # (3: it was not there)
 
 
+# (a torch without it: the storage's Python object is made to read it)
+_ADDRESS_OF_STORAGE = getattr(torch._C, "_storage_address", None)
+
+
 def _storage_address(tensor: torch.Tensor) -> int:
     """The identity of ``tensor``'s storage, read without making its Python object."""
-    return torch._C._storage_address(tensor)
+    if _ADDRESS_OF_STORAGE is None:
+        return tensor.untyped_storage()._cdata
+    return _ADDRESS_OF_STORAGE(tensor)
 
 
 def storage_use_count(tensor: torch.Tensor) -> int:
     """The references to ``tensor``'s storage (its tensors, views, and its Python object where
     one was made), read without making that object (module docstring)."""
-    return torch._C._storage_Use_Count(torch._C._storage_address(tensor))
+    return torch._C._storage_Use_Count(_storage_address(tensor))
 
 
 def owns_its_storage(tensor: torch.Tensor) -> bool:
