@@ -549,6 +549,138 @@ def dropouts_of_nothing(graph: torch.fx.Graph) -> int:
     return removed
 
 
+def attention_in_kernel_layout(graph: torch.fx.Graph, device: torch.device) -> int:
+    """Give each attention's output the layout its kernel gives it, and drop the copies that
+    ``contiguous()`` made of it only because the traced layout was another.
+
+    The graph keeps the composite ``scaled_dot_product_attention``, whose fake value has the
+    math kernel's layout (contiguous in (batch, heads, sequence, features)); the fused kernels
+    eager runs (CPU's flash attention, CUDA's) return (batch, sequence, heads, features) in
+    memory, so that transformers' ``attn_output.transpose(1, 2).contiguous()`` copies nothing
+    in eager where export recorded a ``clone``: one copy of the attention's output per layer,
+    which the output projection saves (Llama's plan without recomputation 5% above eager's
+    peak). The kernel's layout is read from one real call on the device (random values of the
+    arguments' shapes, strides and dtypes, with grad, once per distinct call), the same choice
+    of kernel as the plan's own call. An attention whose output is read otherwise than through
+    views ending in such copies keeps its traced value (its readers' layouts would follow).
+    Returns how many copies were dropped."""
+    aten = torch.ops.aten
+    layouts: dict[tuple, tuple[int, ...] | None] = {}
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        fake = node.meta.get("val")
+        if not isinstance(fake, torch.Tensor):
+            continue
+        chain, copies = _views_to_contiguous_copies(node)
+        if chain is None or not copies:
+            continue
+        key = _attention_key(node)
+        if key not in layouts:
+            layouts[key] = _attention_kernel_stride(node, device)
+        stride = layouts[key]
+        if stride is None or tuple(stride) == tuple(fake.stride()):
+            continue
+        with fake.fake_mode:
+            node.meta["val"] = torch.empty_strided(fake.shape, stride, dtype=fake.dtype, device=fake.device)
+        for view in chain:  # (in the graph's order)
+            view.meta["val"] = _fake_call_kwargs(view)
+        for copy in copies:
+            source = copy.args[0]
+            memory_format = copy.kwargs.get("memory_format", torch.contiguous_format)
+            if not source.meta["val"].is_contiguous(memory_format=memory_format):
+                continue
+            readers = list(copy.users)
+            copy.replace_all_uses_with(source)
+            graph.erase_node(copy)
+            dropped += 1
+            _refresh_views(readers)
+    if dropped:
+        graph.lint()
+    return dropped
+
+
+def _views_to_contiguous_copies(node: torch.fx.Node):
+    """``(views, copies)``: the views that read ``node``'s output (through views only), in the
+    graph's order, and the ``contiguous()`` copies they end in; ``(None, [])`` where a reader
+    of them is neither."""
+    views, copies, pending = [], [], list(node.users)
+    while pending:
+        user = pending.pop()
+        if user in views or user in copies:
+            continue
+        if user.op == "call_function" and user.target is torch.ops.aten.clone.default \
+                and str((user.meta.get("torch_fn") or ("", ""))[1]).endswith(".contiguous") \
+                and user.kwargs.get("memory_format") in (torch.contiguous_format, torch.channels_last):
+            copies.append(user)
+        elif user.op == "call_function" and _returns_alias(user.target) and user.args and user.args[0] in (node, *views):
+            views.append(user)
+            pending.extend(user.users)
+        else:
+            return None, []
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(views, key=order.get), copies
+
+
+def _attention_key(node: torch.fx.Node) -> tuple:
+    """What the kernel's choice and layout depend on: the arguments' shapes, strides and dtypes,
+    and the other arguments."""
+    def part(value):
+        if isinstance(value, torch.fx.Node):
+            fake = value.meta.get("val")
+            return (tuple(fake.shape), tuple(fake.stride()), fake.dtype) if isinstance(fake, torch.Tensor) else None
+        return repr(value)
+    return tuple(part(a) for a in node.args) + tuple((k, part(v)) for k, v in sorted(node.kwargs.items()))
+
+
+def _attention_kernel_stride(node: torch.fx.Node, device: torch.device) -> tuple[int, ...] | None:
+    """The stride of the attention's output as its kernel makes it on ``device``, from one call
+    on random values (None where that call fails: the traced layout is kept)."""
+    def real(value):
+        if not isinstance(value, torch.fx.Node):
+            return value
+        fake = value.meta.get("val")
+        if not isinstance(fake, torch.Tensor):
+            return None
+        tensor = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=device)
+        if fake.is_floating_point():
+            tensor.normal_()
+            return tensor.requires_grad_() if value.op != "get_attr" else tensor
+        return tensor.zero_() if fake.dtype is not torch.bool else tensor.fill_(True)
+
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
+            args = [real(a) for a in node.args]
+            kwargs = {k: real(v) for k, v in node.kwargs.items()}
+            return tuple(torch.ops.aten.scaled_dot_product_attention.default(*args, **kwargs).stride())
+    except Exception:  # noqa: BLE001 the traced layout is kept, as before
+        return None
+
+
+def _fake_call_kwargs(node: torch.fx.Node):
+    """The fake value of ``node``'s call from its arguments' fake values."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    fake = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+    with fake.fake_mode:
+        return node.target(*args, **kwargs)
+
+
+def _refresh_views(readers: list[torch.fx.Node]) -> None:
+    """The fake values of ``readers`` (and of the views of them) from their arguments' again."""
+    order = {n: i for i, n in enumerate(readers[0].graph.nodes)} if readers else {}
+    pending = sorted(readers, key=order.get)
+    seen = set()
+    while pending:
+        node = pending.pop(0)
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        node.meta["val"] = _fake_call_kwargs(node)
+        if _returns_alias(node.target):
+            pending.extend(sorted(node.users, key=order.get))
+
+
 def views_as_reshapes(graph: torch.fx.Graph) -> int:
     """Make each ``aten.view`` an ``aten.reshape``: the same view where the real layout allows
     it, a copy where it does not, as the user's ``reshape`` in eager. The export picks ``view``
@@ -1450,6 +1582,7 @@ def _capture(model: nn.Module, sample) -> CapturedGraph:
     _refuse_value_dependent_shapes(exported.graph)
     detach_no_grad_results(exported.graph, without_grad, exported.graph_signature.output_specs)
     place_regenerated_views(exported.graph, traced)
+    attention_in_kernel_layout(exported.graph, device_of(model, args))
     renamed: dict[str, str] = {}
     restore_dropout(exported.graph, device_of(model, args), renamed)
     restore_inplace_writes(exported.graph, renamed)
