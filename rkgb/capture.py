@@ -637,7 +637,7 @@ def _attention_key(node: torch.fx.Node) -> tuple:
 def _attention_kernel_stride(node: torch.fx.Node, device: torch.device) -> tuple[int, ...] | None:
     """The stride of the attention's output as its kernel makes it on ``device``, from one call
     on random values (None where that call fails: the traced layout is kept)."""
-    def real(value):
+    def real(value, grad: bool = False):
         if not isinstance(value, torch.fx.Node):
             return value
         fake = value.meta.get("val")
@@ -646,12 +646,12 @@ def _attention_kernel_stride(node: torch.fx.Node, device: torch.device) -> tuple
         tensor = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=device)
         if fake.is_floating_point():
             tensor.normal_()
-            return tensor.requires_grad_() if value.op != "get_attr" else tensor
+            return tensor.requires_grad_() if grad else tensor  # (query, key and value: trained)
         return tensor.zero_() if fake.dtype is not torch.bool else tensor.fill_(True)
 
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.enable_grad():
-            args = [real(a) for a in node.args]
+            args = [real(a, i < 3) for i, a in enumerate(node.args)]
             kwargs = {k: real(v) for k, v in node.kwargs.items()}
             return tuple(torch.ops.aten.scaled_dot_product_attention.default(*args, **kwargs).stride())
     except Exception:  # noqa: BLE001 the traced layout is kept, as before
