@@ -446,11 +446,12 @@ def _replace_by_written(graph: torch.fx.Graph, node: torch.fx.Node, written: tor
     graph.erase_node(node)
 
 
-def _fake_call(target, args):
-    """The fake value of ``target(*args)`` from the arguments' fake values."""
-    values = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-    with values[0].fake_mode:
-        return target(*values)
+def _fake_call(target, args, kwargs=None):
+    """The fake value of ``target(*args, **kwargs)`` from the arguments' fake values."""
+    args, kwargs = torch.fx.node.map_arg((tuple(args), dict(kwargs or {})), lambda n: n.meta["val"])
+    fake = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+    with fake.fake_mode:
+        return target(*args, **kwargs)
 
 
 def differentiable_copies(graph: torch.fx.Graph, renamed: dict[str, str] | None = None) -> int:
@@ -573,8 +574,8 @@ def attention_in_kernel_layout(graph: torch.fx.Graph, device: torch.device) -> i
         fake = node.meta.get("val")
         if not isinstance(fake, torch.Tensor):
             continue
-        chain, copies = _views_to_contiguous_copies(node)
-        if chain is None or not copies:
+        copies = _views_to_contiguous_copies(node)
+        if not copies:
             continue
         key = _attention_key(node)
         if key not in layouts:
@@ -584,12 +585,10 @@ def attention_in_kernel_layout(graph: torch.fx.Graph, device: torch.device) -> i
             continue
         with fake.fake_mode:
             node.meta["val"] = torch.empty_strided(fake.shape, stride, dtype=fake.dtype, device=fake.device)
-        for view in chain:  # (in the graph's order)
-            view.meta["val"] = _fake_call_kwargs(view)
+        _refresh_views(list(node.users))
         for copy in copies:
             source = copy.args[0]
-            memory_format = copy.kwargs.get("memory_format", torch.contiguous_format)
-            if not source.meta["val"].is_contiguous(memory_format=memory_format):
+            if not source.meta["val"].is_contiguous(memory_format=copy.kwargs["memory_format"]):
                 continue
             readers = list(copy.users)
             copy.replace_all_uses_with(source)
@@ -601,10 +600,9 @@ def attention_in_kernel_layout(graph: torch.fx.Graph, device: torch.device) -> i
     return dropped
 
 
-def _views_to_contiguous_copies(node: torch.fx.Node):
-    """``(views, copies)``: the views that read ``node``'s output (through views only), in the
-    graph's order, and the ``contiguous()`` copies they end in; ``(None, [])`` where a reader
-    of them is neither."""
+def _views_to_contiguous_copies(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ``contiguous()`` copies that ``node``'s output is read through (views, then the
+    copy); none where a reader of it or of those views is neither."""
     views, copies, pending = [], [], list(node.users)
     while pending:
         user = pending.pop()
@@ -618,9 +616,8 @@ def _views_to_contiguous_copies(node: torch.fx.Node):
             views.append(user)
             pending.extend(user.users)
         else:
-            return None, []
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return sorted(views, key=order.get), copies
+            return []
+    return copies
 
 
 def _attention_key(node: torch.fx.Node) -> tuple:
@@ -658,14 +655,6 @@ def _attention_kernel_stride(node: torch.fx.Node, device: torch.device) -> tuple
         return None
 
 
-def _fake_call_kwargs(node: torch.fx.Node):
-    """The fake value of ``node``'s call from its arguments' fake values."""
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    fake = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
-    with fake.fake_mode:
-        return node.target(*args, **kwargs)
-
-
 def _refresh_views(readers: list[torch.fx.Node]) -> None:
     """The fake values of ``readers`` (and of the views of them) from their arguments' again."""
     order = {n: i for i, n in enumerate(readers[0].graph.nodes)} if readers else {}
@@ -676,7 +665,7 @@ def _refresh_views(readers: list[torch.fx.Node]) -> None:
         if node in seen or node.op != "call_function":
             continue
         seen.add(node)
-        node.meta["val"] = _fake_call_kwargs(node)
+        node.meta["val"] = _fake_call(node.target, node.args, node.kwargs)
         if _returns_alias(node.target):
             pending.extend(sorted(node.users, key=order.get))
 

@@ -181,7 +181,7 @@ def _storage_held_alone(tensor: torch.Tensor) -> bool:
     so alone; a count of two is this tensor and either another holder or that object, made
     earlier (by the inspection): then the object is asked for (made, where it was not, on a
     storage shared anyway) and counted with."""
-    count = storage_use_count(tensor)
+    count = _storage_use_count(tensor)
     if count <= 1:
         return True
     if count > 2:
@@ -200,7 +200,7 @@ def _storage_address(tensor: torch.Tensor) -> int:
     return _ADDRESS_OF_STORAGE(tensor)
 
 
-def storage_use_count(tensor: torch.Tensor) -> int:
+def _storage_use_count(tensor: torch.Tensor) -> int:
     """The references to ``tensor``'s storage (its tensors, views, and its Python object where
     one was made), read without making that object (module docstring)."""
     return torch._C._storage_Use_Count(_storage_address(tensor))

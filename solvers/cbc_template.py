@@ -19,12 +19,23 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
+from dataclasses import dataclass
 
 import pulp
 from pulp import constants
 from pulp.mps_lp import writeMPSBoundLines
 
-__all__ = ["MPSTemplate", "TemplateCBC"]
+__all__ = ["Columns", "MPSTemplate", "TemplateCBC"]
+
+
+@dataclass
+class Columns:
+    """The columns of a written text: its variables in writing order, the variable of each
+    column name, and the integer columns as (position, name, variable), what a MIP start lists."""
+
+    variables: list[pulp.LpVariable]
+    by_name: dict[str, pulp.LpVariable]
+    integers: list[tuple[int, str, pulp.LpVariable]]
 
 
 class MPSTemplate:
@@ -39,40 +50,27 @@ class MPSTemplate:
     def __init__(self, prob: pulp.LpProblem, budgets: list[pulp.LpVariable]) -> None:
         self.prob = prob
         self.budgets = budgets
-        # objective key -> (text before the bound lines, text after, variables, variable names)
-        self._texts: dict[str, tuple[str, str, list, dict[str, str]]] = {}
-        # per objective key: the variable of each name in the text, and (position in the text's
-        # columns, name in the text, variable) of the integer columns (TemplateCBC's MIP start)
-        self._columns: dict[str, tuple[dict[str, pulp.LpVariable], list[tuple[int, str, pulp.LpVariable]]]] = {}
+        # objective key -> (text before the bound lines, text after, variable names, its columns)
+        self._texts: dict[str, tuple[str, str, dict[str, str], Columns]] = {}
         self._shape = (0, 0)
 
     def invalidate(self) -> None:
         self._texts.clear()
-        self._columns.clear()
 
-    def text(self, key: str) -> tuple[str, list, dict[str, str]]:
-        """The MPS text of the problem as it stands (its objective named by ``key``), the
-        variables in writing order and their names in the text."""
+    def text(self, key: str) -> tuple[str, Columns]:
+        """The MPS text of the problem as it stands (its objective named by ``key``) and its
+        columns."""
         shape = (self.prob.numVariables(), self.prob.numConstraints())
         if shape != self._shape:
             self.invalidate()
             self._shape = shape
         if key not in self._texts:
             self._texts[key] = self._write()
-            _, _, variables, names = self._texts[key]
-            self._columns[key] = (
-                {names[v.name]: v for v in variables},
-                [(i, names[v.name], v) for i, v in enumerate(variables) if v.cat == constants.LpInteger])
-        head, tail, variables, names = self._texts[key]
+        head, tail, names, columns = self._texts[key]
         bounds = "".join(line for v in self.budgets for line in writeMPSBoundLines(names[v.name], v, True))
-        return head + bounds + tail, variables, names
+        return head + bounds + tail, columns
 
-    def columns(self, key: str) -> tuple[dict[str, pulp.LpVariable], list[tuple[int, str, pulp.LpVariable]]]:
-        """For the text of objective ``key`` (:meth:`text` first): the variable of each column
-        name, and the integer columns as (position, name, variable)."""
-        return self._columns[key]
-
-    def _write(self) -> tuple[str, str, list, dict[str, str]]:
+    def _write(self) -> tuple[str, str, dict[str, str], Columns]:
         kept = [(v, v.lowBound, v.upBound) for v in self.budgets]
         for v in self.budgets:
             # no bound line (MPS's default for a continuous column); text() inserts their lines
@@ -88,7 +86,12 @@ class MPSTemplate:
             for v, low, up in kept:
                 v.lowBound, v.upBound = low, up
         cut = text.index("\nBOUNDS\n") + len("\nBOUNDS\n")
-        return text[:cut], text[cut:], list(variables), dict(names)
+        columns = Columns(
+            variables=list(variables),
+            by_name={names[v.name]: v for v in variables},
+            integers=[(i, names[v.name], v) for i, v in enumerate(variables) if v.cat == constants.LpInteger])
+        return text[:cut], text[cut:], dict(names), columns
+
 
 
 class TemplateCBC(pulp.PULP_CBC_CMD):
@@ -104,8 +107,7 @@ class TemplateCBC(pulp.PULP_CBC_CMD):
             return super().solve_CBC(lp, use_mps)
         if not self.executable(self.path):
             raise pulp.PulpSolverError(f"Pulp: cannot execute {self.path} cwd: {os.getcwd()}")
-        text, variables, names = self.template.text(self.key)
-        by_name, integers = self.template.columns(self.key)
+        text, columns = self.template.text(self.key)
         mps, solution, start = self.create_tmp_files(lp.name, "mps", "sol", "mst")
         try:
             with open(mps, "w") as f:
@@ -114,7 +116,7 @@ class TemplateCBC(pulp.PULP_CBC_CMD):
             if self.optionsDict.get("warmStart", False):
                 with open(start, "w") as f:  # pulp's writesol's format, the integer columns only
                     f.write("Stopped on time - objective value 0\n")
-                    f.writelines(f"{i:>7} {name} {v.varValue or 0:>15} {0:>23}\n" for i, name, v in integers)
+                    f.writelines(f"{i:>7} {name} {v.varValue or 0:>15} {0:>23}\n" for i, name, v in columns.integers)
                 args += ["-mips", start]
             if self.timeLimit is not None:
                 args += ["-sec", str(self.timeLimit)]
@@ -137,11 +139,11 @@ class TemplateCBC(pulp.PULP_CBC_CMD):
                         break
                     if fields[0] == "**":  # (an infeasible row or column)
                         fields = fields[1:]
-                    if fields[1] in by_name:
-                        values[by_name[fields[1]].name] = float(fields[2])
+                    if fields[1] in columns.by_name:
+                        values[columns.by_name[fields[1]].name] = float(fields[2])
         finally:
             self.delete_tmp_files(mps, solution, start)
-        for v in variables:  # a column CBC does not print is 0
+        for v in columns.variables:  # a column CBC does not print is 0
             v.varValue = values.get(v.name, 0.0)
         lp.assignStatus(status, sol_status)
         return status

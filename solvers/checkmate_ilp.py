@@ -579,7 +579,7 @@ class RkCheckmateILP:
         """The LP relaxation (every integer variable continuous in its bounds): the value of
         each liveness variable ``S`` (by name) at its optimum, or None where the LP is
         infeasible (then so is the ILP). Checkmate's first phase (Jain et al., MLSys 2020)."""
-        integer = [v for v in self.prob.variables() if v.cat == pulp.LpInteger]
+        integer = [v for v in self.variables if v.cat == pulp.LpInteger]
         for v in integer:
             v.cat = pulp.LpContinuous
         self.mps.invalidate()
@@ -591,13 +591,13 @@ class RkCheckmateILP:
             self.mps.invalidate()
         if not solution.feasible:
             return None
-        return {v.name: float(v.varValue or 0.0) for v in self.prob.variables() if v.name.startswith("S_")}
+        return {v.name: float(v.varValue or 0.0) for v in self.variables if v.name.startswith("S_")}
 
     def fix_liveness(self, values: dict[str, float] | None) -> None:
         """Fix each liveness variable named in ``values`` to its value (0 or 1), or free them
         all again (None): Checkmate's second phase solves the recomputations given them."""
         self.mps.invalidate()
-        for v in self.prob.variables():
+        for v in self.variables:
             if not v.name.startswith("S_"):
                 continue
             if values is None:
@@ -619,7 +619,7 @@ class RkCheckmateILP:
         except (pulp.PulpSolverError, OSError, RuntimeError) as error:
             first_error = error
         fallback = "highs" if solver == "cbc" and highs_available() else "cbc"
-        for v in self.prob.variables():  # no stale start for the fallback
+        for v in self.variables:  # no stale start for the fallback
             v.varValue = None
         try:
             self.prob.solve(make_pulp_solver(fallback, time_limit_s, gap))
