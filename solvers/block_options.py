@@ -38,7 +38,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from rkgb.cdgraph import CDGraph
-from solvers.checkmate_ilp import RkCheckmateILP
+from solvers.checkmate_ilp import RkCheckmateILP, default_ilp_solver
 from solvers.option_repair import ScheduleRepair
 from solvers.options import BlockOption, ClassOptions, autograd_option, no_grad_forward, option_from_computes
 
@@ -53,6 +53,8 @@ REPAIR_SEEDS = 2
 # same optima). Whole-graph Checkmate keeps the defaults of :func:`make_pulp_solver`: with
 # these it stopped at its 30 s limit on a worse schedule (2-layer GPT, budget 60%).
 GRID_CBC_OPTIONS = ("cuts off", "probing on", "trust 1")
+# the relative gap of the min-peak and min-save solves, by backend (the grid's gap otherwise)
+BOUND_GAP = {"highs": 0.0}
 
 
 @dataclass
@@ -103,7 +105,7 @@ def solve_class_options(
     peak_steps: int = 10,
     save_steps: int = 10,
     time_limit_s: float = 10.0,
-    ilp_solver: str = "cbc",
+    ilp_solver: str | None = None,
     forward_recompute: bool = True,
     lazy_recompute: bool = False,
     gap: float = 0.0,
@@ -126,7 +128,9 @@ def solve_class_options(
     time_limit_s
         Per ILP; a solve that hits it keeps its best solution and the option says so.
     ilp_solver
-        ``"cbc"`` (bundled with pulp) or ``"highs"`` (``highspy``).
+        ``"highs"`` (HiGHS in process, :mod:`solvers.highs_model`), ``"cbc"`` (bundled with
+        pulp), ``"cpsat"`` or ``"scip"`` (OR-Tools); None: HiGHS where ``highspy`` is
+        installed, else CBC.
     gap
         Relative optimality gap accepted from the ILP solver (0: proven optimal). A pair whose
         best known (or repaired) solution is within ``gap`` of its lower bound (a looser pair's
@@ -154,6 +158,7 @@ def solve_class_options(
     ClassOptions, whose options always include the autograd option (no recomputation).
     """
     report = report if report is not None else GridReport()
+    ilp_solver = default_ilp_solver() if ilp_solver is None else ilp_solver
     # a known solution this close to the lower bound answers a pair without a solve: the solve
     # itself would only promise as much (its relative gap)
     accept = max(float(gap), 1e-9)
@@ -170,10 +175,10 @@ def solve_class_options(
         models.put(model)
     report.build_s = time.perf_counter() - start
 
-    def solve_one(peak, save, kwargs, limit_s=time_limit_s):
+    def solve_one(peak, save, kwargs, limit_s=time_limit_s, within=gap):
         ilp = models.get()
         try:
-            return ilp.solve(peak, save, time_limit_s=limit_s, solver=ilp_solver, gap=gap,
+            return ilp.solve(peak, save, time_limit_s=limit_s, solver=ilp_solver, gap=within,
                              cbc_options=GRID_CBC_OPTIONS, **kwargs)
         finally:
             models.put(ilp)
@@ -182,7 +187,7 @@ def solve_class_options(
         """The min-peak or min-save solve. It sets the grid's range and the class's minimum
         budget, so one stopped by the time limit (a loaded machine) is retried with 5x the time."""
         began = time.perf_counter()
-        solution = solve_one(None, None, {"objective": objective})
+        solution = solve_one(None, None, {"objective": objective}, within=BOUND_GAP.get(ilp_solver, gap))
         if solution.feasible and not solution.time_limit_hit:
             return solution
         # (not where the retry, as long as this solve and 5x its limit, would end past the

@@ -62,19 +62,23 @@ import pulp
 from rkgb.cdgraph import CDGraph, ComputeKind, DataKind
 from solvers.cbc_template import MPSTemplate, TemplateCBC
 from solvers.forward_runs import forward_runs
+from solvers.highs_model import HighsModel, highs_usable
 from solvers.simulate import effective_needs, gradient_profile, operation_outputs, phantoms_of
 
-__all__ = ["ILPSolution", "RkCheckmateILP", "make_pulp_solver", "highs_available", "ortools_available",
-           "solve_with_ortools"]
+__all__ = ["ILPSolution", "RkCheckmateILP", "default_ilp_solver", "make_pulp_solver", "highs_available",
+           "ortools_available", "solve_with_ortools"]
 
 
 def highs_available() -> bool:
-    """Whether the HiGHS solver (``pip install highspy``) can be used through pulp."""
-    try:
-        import highspy  # noqa: F401
-    except ImportError:
-        return False
-    return bool(pulp.HiGHS(msg=False).available())
+    """Whether HiGHS (``pip install highspy``, 1.11 or later) can solve the models in this
+    process (:mod:`solvers.highs_model`)."""
+    return highs_usable()
+
+
+def default_ilp_solver() -> str:
+    """The ILP backend of the option grids: HiGHS in process where ``highspy`` is installed
+    (faster on every attention class measured, :mod:`solvers.highs_model`), else CBC."""
+    return "highs" if highs_available() else "cbc"
 
 
 _WARNINGS_LOCK = threading.Lock()
@@ -195,10 +199,10 @@ def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0,
             # ResNet's 3-compute classes; none in 60 runs without it, and the same figures)
             settings = dict(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=None, options=options)
             return pulp.PULP_CBC_CMD(**settings) if template is None else TemplateCBC(*template, **settings)
-    if name == "highs":
+    if name == "highs":  # solved in process by solvers.highs_model; no pulp solver object
         if not highs_available():
             raise ImportError("ilp_solver='highs' needs the highspy package: pip install highspy")
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap, threads=1)
+        return None
     if name in ORTOOLS_ENGINES:  # solved by solve_with_ortools; this object is not used
         if not ortools_available(name):
             raise ImportError(f"ilp_solver={name!r} needs OR-Tools: pip install ortools")
@@ -312,6 +316,8 @@ class RkCheckmateILP:
         self.save_var = _variable(prob, "save_budget", lowBound=0)
         # the model's MPS text for CBC, written once per objective (solvers.cbc_template)
         self.mps = MPSTemplate(prob, [self.peak_var, self.save_var])
+        # ... and its arrays for HiGHS, made once (solvers.highs_model)
+        self.highs = HighsModel(prob, [self.peak_var, self.save_var])
         size = {d.name: d.size_bytes / self.unit for d in graph.data_nodes}
 
         # runs of forwards recomputed as a whole: one R variable per run and stage
@@ -542,13 +548,13 @@ class RkCheckmateILP:
         extra = {} if cbc_options is None else {"cbc_options": cbc_options}
         backend = make_pulp_solver(solver, time_limit_s, gap, heuristics=start is None,
                                    template=(self.mps, objective), **extra)
-        if start is not None and solver in ("cbc", *ORTOOLS_ENGINES):
+        if start is not None and solver in ("cbc", "highs", *ORTOOLS_ENGINES):
             self._set_start(start)
             warm_start = True
         if warm_start and solver == "cbc":
             backend.optionsDict["warmStart"] = True
         start = time.perf_counter()
-        self._solve_with_fallback(backend, solver, time_limit_s, gap)
+        self._solve_with_fallback(backend, solver, time_limit_s, gap, warm_start)
         elapsed = time.perf_counter() - start
         status = pulp.LpStatus[self.prob.status]
         has_solution = self.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
@@ -582,13 +588,13 @@ class RkCheckmateILP:
         integer = [v for v in self.variables if v.cat == pulp.LpInteger]
         for v in integer:
             v.cat = pulp.LpContinuous
-        self.mps.invalidate()
+        self._structure_changed()
         try:
             solution = self.solve(peak_bytes, objective=objective, time_limit_s=time_limit_s, solver=solver)
         finally:
             for v in integer:
                 v.cat = pulp.LpInteger
-            self.mps.invalidate()
+            self._structure_changed()
         if not solution.feasible:
             return None
         return {v.name: float(v.varValue or 0.0) for v in self.variables if v.name.startswith("S_")}
@@ -596,7 +602,7 @@ class RkCheckmateILP:
     def fix_liveness(self, values: dict[str, float] | None) -> None:
         """Fix each liveness variable named in ``values`` to its value (0 or 1), or free them
         all again (None): Checkmate's second phase solves the recomputations given them."""
-        self.mps.invalidate()
+        self._structure_changed()
         for v in self.variables:
             if not v.name.startswith("S_"):
                 continue
@@ -605,14 +611,23 @@ class RkCheckmateILP:
             elif v.name in values:
                 v.lowBound = v.upBound = values[v.name]
 
-    def _solve_with_fallback(self, backend: pulp.LpSolver, solver: str, time_limit_s: float | None,
-                             gap: float) -> None:
-        """Solve with ``backend``; where the backend itself fails (CBC's executable crashing, a
-        HiGHS error), solve again with the other backend (HiGHS where installed, else CBC
-        without a start), so that no backend's exception reaches the user."""
+    def _structure_changed(self) -> None:
+        """The model changed beyond its budgets' bounds (categories, fixed liveness): the solvers'
+        copies of it are made again."""
+        self.mps.invalidate()
+        self.highs.invalidate()
+
+    def _solve_with_fallback(self, backend: pulp.LpSolver | None, solver: str, time_limit_s: float | None,
+                             gap: float, warm_start: bool = False) -> None:
+        """Solve with ``backend`` (HiGHS in process for ``"highs"``, with the integer variables'
+        values as a start where ``warm_start``); where the backend itself fails (CBC's
+        executable crashing, a HiGHS error), solve again with the other backend (HiGHS where
+        installed, else CBC, without a start), so that no backend's exception reaches the user."""
         try:
             if solver in ORTOOLS_ENGINES:
                 solve_with_ortools(self.prob, solver, time_limit_s, gap)
+            elif solver == "highs":
+                self.highs.solve(time_limit_s, gap, start=warm_start)
             else:
                 self.prob.solve(backend)
             return
@@ -622,7 +637,10 @@ class RkCheckmateILP:
         for v in self.variables:  # no stale start for the fallback
             v.varValue = None
         try:
-            self.prob.solve(make_pulp_solver(fallback, time_limit_s, gap))
+            if fallback == "highs":
+                self.highs.solve(time_limit_s, gap, start=False)
+            else:
+                self.prob.solve(make_pulp_solver(fallback, time_limit_s, gap))
         except (pulp.PulpSolverError, OSError, RuntimeError) as error:
             raise RuntimeError(
                 f"the ILP solvers failed on a block of {len(self.nodes)} nodes: {solver}: {first_error}; {fallback}: {error}"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from rkgb.cdgraph import DataKind, ModelChain, data_name, renamed_data
 from solvers.block_options import GridReport, solve_class_options
-from solvers.checkmate_ilp import RkCheckmateILP
+from solvers.checkmate_ilp import RkCheckmateILP, default_ilp_solver
 from solvers.option_cache import OptionCache, default_cache
 from solvers.options import (
     BlockOption,
@@ -380,7 +380,8 @@ class RockmateSolver(ChainPlanner):
     peak_steps: int = 10
     save_steps: int = 10
     time_limit_s: float = 2.0
-    ilp_solver: str = "cbc"
+    # HiGHS in process where highspy is installed, else CBC (solvers.checkmate_ilp.default_ilp_solver)
+    ilp_solver: str = field(default_factory=default_ilp_solver)
     forward_recompute: bool = False
     lazy_recompute: bool = True
     gap: float = 0.01

@@ -154,26 +154,46 @@ def test_plan_timings_say_where_planning_time_went():
     assert any(key.startswith("options of class") for key in timings)
 
 
-def test_a_failing_ilp_backend_falls_back_to_another(monkeypatch):
-    """CBC's executable crashing (a PulpSolverError inside pulp) never reaches the user: the
-    ILP is solved again by the other backend and the plan is the same."""
+@pytest.mark.parametrize("backend", ["cbc", "highs"])
+def test_a_failing_ilp_backend_falls_back_to_another(monkeypatch, backend):
+    """CBC's executable crashing (a PulpSolverError inside pulp), or HiGHS failing in process (a
+    RuntimeError), never reaches the user: the ILP is solved again by the other backend and the
+    plan is the same."""
     import pulp
 
+    from solvers.checkmate_ilp import highs_available
+    from solvers.highs_model import HighsModel
+
+    if not highs_available():
+        pytest.skip("highspy is not installed")
     chain = _chain()
-    budget = registry.min_budget(chain, "rockmate", cache=OptionCache(), **GRID) * 3 // 2
-    expected = registry.solve(chain, budget, "rockmate", cache=OptionCache(), **GRID)
-    calls = {"failed": 0}
-    original = pulp.PULP_CBC_CMD.actualSolve
+    budget = registry.min_budget(chain, "rockmate", cache=OptionCache(), ilp_solver=backend, **GRID) * 3 // 2
+    expected = registry.solve(chain, budget, "rockmate", cache=OptionCache(), ilp_solver=backend, **GRID)
+    calls = {"failed": 0, "fallback": 0}
+    if backend == "cbc":
+        original, owner, name = pulp.PULP_CBC_CMD.actualSolve, pulp.PULP_CBC_CMD, "actualSolve"
+        other, other_name = HighsModel, "solve"
+        error = pulp.PulpSolverError("Pulp: Error while trying to execute cbc (simulated)")
+    else:
+        original, owner, name = HighsModel.solve, HighsModel, "solve"
+        other, other_name = pulp.PULP_CBC_CMD, "actualSolve"
+        error = RuntimeError("HiGHS failed (simulated)")
+    fallback = getattr(other, other_name)
 
-    def crashing(self, lp, **kwargs):
-        if getattr(self, "_test_crash", True) and calls["failed"] < 3:
+    def crashing(self, *args, **kwargs):
+        if calls["failed"] < 3:
             calls["failed"] += 1
-            raise pulp.PulpSolverError("Pulp: Error while trying to execute cbc (simulated)")
-        return original(self, lp, **kwargs)
+            raise error
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(pulp.PULP_CBC_CMD, "actualSolve", crashing)
-    plan = registry.solve(chain, budget, "rockmate", cache=OptionCache(), **GRID)
-    assert calls["failed"] == 3 and plan.feasible
+    def counted(self, *args, **kwargs):
+        calls["fallback"] += 1
+        return fallback(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, crashing)
+    monkeypatch.setattr(other, other_name, counted)
+    plan = registry.solve(chain, budget, "rockmate", cache=OptionCache(), ilp_solver=backend, **GRID)
+    assert calls["failed"] == 3 and calls["fallback"] == 3 and plan.feasible
     assert plan.predicted_peak <= budget
     assert abs(plan.predicted_time - expected.predicted_time) <= 0.02 * expected.predicted_time
 

@@ -10,7 +10,7 @@ import pytest
 from rkgb.cdgraph import ComputeKind
 from solvers.block_options import solve_class_options
 from solvers.bounds import operation_floor
-from solvers.checkmate_ilp import RkCheckmateILP
+from solvers.checkmate_ilp import RkCheckmateILP, highs_available
 from solvers.options import option_from_computes
 from solvers.schedule import Compute
 from solvers.simulate import (
@@ -85,9 +85,14 @@ GRAPHS = {
 }
 
 
+# the in-process backends: CBC (pulp's) and HiGHS (solvers.highs_model, the grids' default)
+BACKENDS = ["cbc", pytest.param("highs", marks=pytest.mark.skipif(not highs_available(), reason="no highspy"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lazy", [False, True])
 @pytest.mark.parametrize("name", sorted(GRAPHS))
-def test_ilp_optimum_equals_brute_force(name, lazy):
+def test_ilp_optimum_equals_brute_force(name, lazy, backend):
     graph = GRAPHS[name]()
     results = brute_force(graph, lazy=lazy)
     ilp = RkCheckmateILP(graph, lazy_recompute=lazy)
@@ -97,7 +102,7 @@ def test_ilp_optimum_equals_brute_force(name, lazy):
     for peak in peaks[:: max(1, len(peaks) // 6)] + [peaks[-1]]:
         for save in saves[:: max(1, len(saves) // 5)] + [saves[-1]]:
             feasible = [t for t, p, s in results if p <= peak and s <= save]
-            solution = ilp.solve(peak, save, time_limit_s=20)
+            solution = ilp.solve(peak, save, time_limit_s=20, solver=backend)
             assert solution.feasible == bool(feasible), (peak, save)
             if not feasible:
                 continue
@@ -108,14 +113,15 @@ def test_ilp_optimum_equals_brute_force(name, lazy):
     assert checked >= 5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["linear3", "multi_output"])
-def test_min_peak_and_min_save_objectives(name):
+def test_min_peak_and_min_save_objectives(name, backend):
     graph = GRAPHS[name]()
     results = brute_force(graph)
     ilp = RkCheckmateILP(graph)
-    lowest = ilp.solve(None, None, objective="peak")
+    lowest = ilp.solve(None, None, objective="peak", solver=backend)
     assert option_from_computes(graph, lowest.computes).peak_bytes == min(p for _, p, _ in results)
-    lowest = ilp.solve(None, None, objective="save")
+    lowest = ilp.solve(None, None, objective="save", solver=backend)
     assert option_from_computes(graph, lowest.computes).saved_bytes == min(s for _, _, s in results)
 
 
@@ -126,6 +132,42 @@ def test_operation_floor_is_under_every_schedule(name):
     lowest = min(p for _, p, _ in brute_force(graph))
     floor = operation_floor(graph, keep_outputs=False)
     assert floor.bytes == lowest, (floor, lowest)
+
+
+@pytest.mark.skipif(not highs_available(), reason="no highspy")
+def test_highs_statuses_read_as_pulps_reading_of_cbcs():
+    """HiGHS stopped by its time limit with a solution: the solve keeps it and says the limit
+    was hit (pulp's IntegerFeasible, as for CBC's "Stopped on time"); without one: not solved;
+    an error status: None, which falls back to CBC."""
+    import highspy
+    import pulp
+
+    from solvers.highs_model import pulp_statuses
+
+    model = highspy.HighsModelStatus
+    assert pulp_statuses(model.kOptimal, True) == (pulp.LpStatusOptimal, pulp.LpSolutionOptimal)
+    assert pulp_statuses(model.kTimeLimit, True) == (pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible)
+    assert pulp_statuses(model.kTimeLimit, False) == (pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
+    assert pulp_statuses(model.kInfeasible, False) == (pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible)
+    assert pulp_statuses(model.kSolveError, False) is None
+
+
+@pytest.mark.skipif(not highs_available(), reason="no highspy")
+def test_highs_solves_pairs_without_state_from_the_previous_ones():
+    """Each HiGHS solve starts from the model alone (a fresh instance): the same pair gives the
+    same schedule whichever pairs were solved before it, and an infeasible pair in between
+    changes nothing."""
+    graph = GRAPHS["random1"]()
+    results = brute_force(graph)
+    pairs = [(p, s) for _, p, s in sorted(results, key=lambda r: (r[1], r[2]))[:: max(1, len(results) // 5)]]
+    alone = {}
+    for peak, save in pairs:
+        alone[peak, save] = RkCheckmateILP(graph).solve(peak, save, solver="highs").computes
+    ilp = RkCheckmateILP(graph)
+    lowest = min(p for _, p, _ in results)
+    for peak, save in reversed(pairs):
+        assert not ilp.solve(lowest - 1, None, solver="highs").feasible
+        assert ilp.solve(peak, save, solver="highs").computes == alone[peak, save]
 
 
 def test_a_bound_solve_stopped_by_its_time_limit_is_retried(monkeypatch):
@@ -181,14 +223,15 @@ def test_class_options_are_a_pareto_front_measured_by_the_simulator():
 
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["multi_output", "random0"])
-def test_mip_start_keeps_the_optimum(name):
+def test_mip_start_keeps_the_optimum(name, backend):
     graph = GRAPHS[name]()
     results = brute_force(graph)
     ilp = RkCheckmateILP(graph)
     for _, peak, save in sorted(results, key=lambda r: r[1])[:: max(1, len(results) // 6)]:
-        cold = ilp.solve(peak, save, time_limit_s=20)
-        warm = ilp.solve(peak, save, time_limit_s=20, start=cold.computes)
+        cold = ilp.solve(peak, save, time_limit_s=20, solver=backend)
+        warm = ilp.solve(peak, save, time_limit_s=20, start=cold.computes, solver=backend)
         assert warm.feasible and warm.objective == pytest.approx(cold.objective, abs=1e-6)
 
 
