@@ -1,4 +1,5 @@
-"""The rk-Checkmate ILP of real blocks solved by each backend: CBC and HiGHS (through pulp),
+"""The rk-Checkmate ILP of real blocks solved by each backend: CBC (through pulp) and HiGHS (in the
+process, `solvers.highs_model`),
 CP-SAT and SCIP (through OR-Tools' model builder).
 
     .venv/bin/python benchmarks/bench_ilp_backends.py                # GPT-2 and Llama attention
