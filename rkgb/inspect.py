@@ -182,7 +182,8 @@ class _Clock:
         self.device = device
         self.repeats = repeats
 
-    def __call__(self, fn, bytes_moved: int) -> float:
+    def __call__(self, fn, bytes_moved: int, warmed: bool = False) -> float:
+        """The time of ``fn`` (seconds); ``warmed``: it has just run (no untimed run first)."""
         if self.cost_model == "flops":
             from torch.utils.flop_counter import FlopCounterMode
 
@@ -191,10 +192,11 @@ class _Clock:
             return (counter.get_total_flops() / _FLOPS_PER_S + bytes_moved / _BYTES_PER_S
                     + random.count * _RANDOM_S_PER_ELEMENT)
         with _denormals_flushed() if self.device.type == "cpu" else contextlib.nullcontext():
-            return self._fastest(fn)
+            return self._fastest(fn, warmed)
 
-    def _fastest(self, fn) -> float:
-        fn()  # untimed: the first run pays for cold caches and fresh pages, as training's steps do not
+    def _fastest(self, fn, warmed: bool = False) -> float:
+        if not warmed:
+            fn()  # untimed: the first run pays for cold caches and fresh pages, as training's steps do not
         samples: list[float] = []
         # up to ``repeats`` samples, but no more once they add up to SAMPLED_S: a slow op's noise
         # is small beside its time (GPT-2 small's 10 ops over 20 ms, its lm head and loss among
@@ -1165,7 +1167,8 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             # with the autograd node), as eager's graph keeps it
             phantom_bytes = max(saved.phantom_bytes(name), retained - data_bytes)
 
-            forward_time = clock(_rerun(lines, env, requires_grad, targets), data_bytes)
+            # (warmed: the node has just run twice, without and with grad, for its memory)
+            forward_time = clock(_rerun(lines, env, requires_grad, targets), data_bytes, warmed=True)
             islands[name] = [t for t, out in zip(values, exported) if needs[name].exported[out]]
             make_leaves(node, exported, values)
             values = None
