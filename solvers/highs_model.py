@@ -21,6 +21,7 @@ whose start was already optimal).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -46,9 +47,10 @@ _BANNER_LOCK = threading.Lock()
 _BANNER_SHOWN = False
 
 
+@functools.lru_cache(maxsize=1)
 def highs_usable() -> bool:
     """Whether ``highspy`` can be imported and its options are those :data:`HIGHS_SETTINGS`
-    names (HiGHS >= 1.11)."""
+    names (HiGHS >= 1.11); asked once per process."""
     try:
         import highspy
     except ImportError:
