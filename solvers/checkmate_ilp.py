@@ -176,12 +176,9 @@ def solve_with_ortools(prob: pulp.LpProblem, name: str, time_limit_s: float | No
 def make_pulp_solver(name: str, time_limit_s: float | None, gap: float = 0.0,
                      heuristics: bool = True, cbc_options: tuple[str, ...] = ("cuts off",),
                      template: tuple[MPSTemplate, str] | None = None) -> pulp.LpSolver:
-    """A pulp solver by name: ``"cbc"`` (bundled) or ``"highs"`` (needs ``highspy``).
-
-    Measured on the GPT-like attention block (43 C-nodes, 10 x 10 grid, 2 s per ILP, 1% gap,
-    lazy recomputation, 2-core CPU): CBC 91-97 s, HiGHS 79 s for the whole grid; single
-    min-peak solves 9.0 s (CBC) against 5.4 s (HiGHS). CBC stays the default because it is
-    bundled with pulp; pass ``ilp_solver="highs"`` when highspy is installed.
+    """A pulp solver by name: ``"cbc"`` (bundled); None for the backends solved without one,
+    ``"highs"`` (in the process, :mod:`solvers.highs_model`) and OR-Tools' ``"cpsat"`` and
+    ``"scip"``, after checking that their package is installed (an ImportError naming it).
     ``cbc_options``: CBC's command-line options. The default turns cutting planes off: on
     these models CBC's cuts barely move the bound and cost ~half of the solve time (measured:
     2x faster over a sample of grid pairs). ``heuristics=False`` turns CBC's primal heuristics
