@@ -55,7 +55,7 @@ REPAIR_SEEDS = 2
 GRID_CBC_OPTIONS = ("cuts off", "probing on", "trust 1")
 # the relative gap of the min-peak and min-save solves, by backend (the grid's gap otherwise): they
 # set the class's minimum budget and the grid's range; HiGHS proves them exactly in ~0.1 s on the
-# attention classes (0.05-0.12 s, against 0.11-0.39 s for CBC at the grid's 1%)
+# attention classes (0.04-0.15 s, against 0.08-0.39 s for CBC at the grid's 1%)
 BOUND_GAP = {"highs": 0.0}
 
 
