@@ -147,6 +147,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    print(f"ILP backend of the option grids: {registry.RockmateSolver().ilp_solver}")
     print(f"{'model':>7} {'blocks':>6} {'classes':>7} {'largest':>7} {'capture':>8} {'inspect':>8} {'options':>8} "
           f"{'dp':>6} {'total':>7} {'slowest class':>36} {'2nd build':>9} {'2nd capture':>11} {'2nd options':>11}")
     for name in args.models:
