@@ -10,6 +10,8 @@ model, cuts it into a chain of blocks and measures each class of identical block
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import inspect
 import os
 import time
@@ -63,6 +65,31 @@ class BuildOptions:
     repeats: int = 3
     grad_accumulation: bool = True
     max_block_nodes: int | None = 40
+
+
+def _older_objects_frozen(function):
+    """``function`` (a build: capture, inspection, planning) with the objects alive when it starts
+    kept out of Python's full garbage collections (``gc.freeze``; ``gc.unfreeze`` when it ends).
+
+    A full collection scans every tracked object: in a process that has imported torch and
+    transformers and captured a model, 0.3-0.5 s each, and a build makes several (a 24-layer
+    Llama of GPT-2 small's width: 7 in its first build, 1.9 s, 3 in its second, 1.2 s; 0.5 and
+    0.3 s with the older objects frozen, builds 0.8 and 0.7 s faster). Garbage among those older
+    objects is collected after the build instead of during it. A process that froze objects
+    itself (``gc.get_freeze_count()``, before forking workers) or turned collections off is left
+    as it is."""
+
+    @functools.wraps(function)
+    def frozen(*args, **kwargs):
+        if gc.get_freeze_count() or not gc.isenabled():
+            return function(*args, **kwargs)
+        gc.freeze()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    return frozen
 
 
 def _split_options(options: dict) -> tuple[BuildOptions, dict]:
@@ -145,6 +172,7 @@ class Rockmate(nn.Module):
         loss.backward()
     """
 
+    @_older_objects_frozen
     def __init__(self, model: nn.Module, sample=None, budget=None, solver="rockmate", *, args=None, kwargs=None,
                  **options) -> None:
         super().__init__()
@@ -483,6 +511,7 @@ def _operation_floor(graphs: ModelGraphs) -> tuple[int, str]:
     return held + floor.bytes, ("the backward of " if node.kind is ComputeKind.BACKWARD else "") + what
 
 
+@_older_objects_frozen
 def min_budget(model: nn.Module, sample=None, solver="rockmate", *, args=None, kwargs=None, **options) -> int:
     """The smallest budget (bytes) that ``solver`` can meet for ``model`` on ``sample``
     (given as ``Rockmate`` takes it: a tensor, a tuple, a dict of keyword inputs, or
