@@ -189,7 +189,8 @@ def solve_class_options(
         """The min-peak or min-save solve. It sets the grid's range and the class's minimum
         budget, so one stopped by the time limit (a loaded machine) is retried with 5x the time."""
         began = time.perf_counter()
-        solution = solve_one(None, None, {"objective": objective}, within=BOUND_GAP.get(ilp_solver, gap))
+        within = BOUND_GAP.get(ilp_solver, gap)
+        solution = solve_one(None, None, {"objective": objective}, within=within)
         if solution.feasible and not solution.time_limit_hit:
             return solution
         # (not where the retry, as long as this solve and 5x its limit, would end past the
@@ -201,7 +202,7 @@ def solve_class_options(
             report.notes.append(f"min-{objective} solve hit its {time_limit_s} s limit ({spent:.1f} s in all); "
                                 "not retried: the retry would end past the grid's time limit")
             return solution
-        retry = solve_one(None, None, {"objective": objective}, 5 * time_limit_s)
+        retry = solve_one(None, None, {"objective": objective}, 5 * time_limit_s, within=within)
         report.notes.append(f"min-{objective} solve hit its {time_limit_s} s limit; retried with "
                             f"{5 * time_limit_s} s ({'proven' if retry.feasible and not retry.time_limit_hit else 'limit hit again'})")
         return retry if retry.feasible or not solution.feasible else solution

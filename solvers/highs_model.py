@@ -101,19 +101,18 @@ class HighsModel:
         self.budgets = budgets
         self._arrays: _Arrays | None = None
         self._shape = (0, 0)
-        self._lock = threading.Lock()
 
     def invalidate(self) -> None:
         self._arrays = None
 
     def arrays(self) -> _Arrays:
-        """The arrays of the problem as it stands (made again where its shape changed)."""
-        with self._lock:
-            shape = (self.prob.numVariables(), self.prob.numConstraints())
-            if shape != self._shape or self._arrays is None:
-                self._arrays = self._build()
-                self._shape = shape
-            return self._arrays
+        """The arrays of the problem as it stands (made again where its shape changed). One thread
+        solves a model at a time (the option grid gives each worker a model of its own)."""
+        shape = (self.prob.numVariables(), self.prob.numConstraints())
+        if shape != self._shape or self._arrays is None:
+            self._arrays = self._build()
+            self._shape = shape
+        return self._arrays
 
     def _build(self) -> _Arrays:
         import highspy
@@ -195,12 +194,10 @@ class HighsModel:
         if highs.run() == highspy.HighsStatus.kError:
             raise RuntimeError(f"HiGHS failed: {highs.modelStatusToString(highs.getModelStatus())}")
         status = highs.getModelStatus()
-        found = highs.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
-        statuses = pulp_statuses(status, found)
+        statuses = pulp_statuses(status, highs.getInfo().primal_solution_status == 2)  # kSolutionStatusFeasible
         if statuses is None:
             raise RuntimeError(f"HiGHS ended with {highs.modelStatusToString(status)}")
-        found = statuses[1] in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
-        if found:
+        if statuses[1] in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             for v, value in zip(arrays.variables, highs.getSolution().col_value):
                 v.varValue = value
         else:
