@@ -15,8 +15,8 @@ recomputation. The published implementation solves every pair from scratch; here
    those is within the ILP's relative gap of the bound, the pair is answered without solving
    (this covers "the solution of a looser pair still fits"; a solve would promise no better).
    A pair tighter than an infeasible one is infeasible;
-4. otherwise the solutions of the two nearest looser pairs are repaired by
-   :class:`solvers.option_repair.ScheduleRepair` until they fit; the best repaired solution
+4. otherwise the solutions of the two nearest looser pairs (four where the two nearest give
+   none) are repaired by :class:`solvers.option_repair.ScheduleRepair` until they fit; the best repaired solution
    may already meet the lower bound (no solve), else it is the solve's MIP start. A start near
    the optimum cuts CBC's time by a third (no feasibility pump, an early cutoff);
 5. pairs with a save budget above the peak budget are the same as save = peak;
@@ -48,6 +48,10 @@ __all__ = ["GridReport", "solve_class_options", "pareto_front"]
 # the GPT attention classes: a third seed, or the known solutions nearest to fitting, cost
 # more Python time than they save solver time)
 REPAIR_SEEDS = 2
+# ... and up to this many where those give no fitting start: a solve without a start costs 3-10x
+# one with (the Llama-12 attention class's grid: 1.2-1.5 s for its one pair left without a
+# start, 0.1-0.3 s for most others; the grid 7.0-7.2 -> 6.4 s, the same options)
+REPAIR_SEEDS_WITHOUT_START = 4
 # CBC's options for the grid's solves: cutting planes off but probing (~15% less time over a
 # grid than no cuts at all), pseudo-costs trusted after one strong branching (~15% less, the
 # same optima). Whole-graph Checkmate keeps the defaults of :func:`make_pulp_solver`: with
@@ -66,7 +70,7 @@ class GridReport:
     ``pairs`` grid pairs, of which ``solved`` by an ILP, ``reused`` (an earlier solution or a
     repaired one proven optimal by a looser pair), ``pruned_infeasible`` (tighter than an
     infeasible pair). ``repaired``: repaired solutions better than every fitting known one,
-    found in ``repair_s`` seconds. Phases in seconds: ``build_s`` (the ILP model), ``bounds_s``
+    found in ``repair_s`` seconds (CPU of the thread that repairs). Phases in seconds: ``build_s`` (the ILP model), ``bounds_s``
     (the min-peak and min-save solves), ``grid_s`` (the pairs), ``total_s``.
     """
 
@@ -287,8 +291,10 @@ def solve_class_options(
             looser_answers = sorted(
                 (a for a in answered if peak <= a[0] and save <= a[1] and excess(a[2], peak, save) > 0),
                 key=lambda a: ((a[0] - peak) / peak_range + (a[1] - save) / save_range, -a[0], -a[1]))
-            began = time.process_time()
-            for _, _, _, computes in looser_answers[:REPAIR_SEEDS]:
+            began = time.thread_time()
+            for tried, (_, _, _, computes) in enumerate(looser_answers):
+                if tried >= REPAIR_SEEDS and (best is not None or tried >= REPAIR_SEEDS_WITHOUT_START):
+                    break
                 found = repairer.repair(computes, peak, save)
                 if found is not None and (best is None or found[1].time_s < best[1].time_s):
                     best = found
@@ -296,7 +302,7 @@ def solve_class_options(
                     report.repaired += 1
                     if bound is not None and best[1].time_s <= bound * (1 + accept):
                         break  # optimal: no need for another seed
-            report.repair_s += time.process_time() - began
+            report.repair_s += time.thread_time() - began
             return best
 
         def decide(q: tuple[int, int]):

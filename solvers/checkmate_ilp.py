@@ -664,7 +664,9 @@ class RkCheckmateILP:
         schedule = schedule_from_computes(self.graph, computes, protected=self.protected)
         alive = simulate(self.graph, schedule, keep_outputs=self.keep_outputs).alive_after_forward or set()
         for d, v in self.saved_vars.items():
-            v.varValue = 1.0 if d in alive else 0.0
+            # (the free phantoms' liveness is fixed to 1: the schedule forgets them where their
+            # forward runs again before their backward; kept, they cost nothing)
+            v.varValue = 1.0 if d in alive or v.name in self.kept_alive else 0.0
 
 
 def _free_phantoms(graph: CDGraph, forwards) -> set[str]:

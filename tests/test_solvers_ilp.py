@@ -468,3 +468,33 @@ def test_whole_runs_keep_the_options_of_an_attention_block():
         times = [option_from_computes(graph, ilp.solve(peak, None, time_limit_s=30).computes).time_s
                  for ilp in (plain, tied)]
         assert times[0] <= times[1] * (1 + 1e-9) and times[1] <= times[0] * 1.01, peak
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mip_starts_give_every_integer_variable_a_value_in_its_bounds(seed):
+    """A start (a schedule that fits) sets every integer variable within its bounds: the free
+    phantoms' liveness at the loss, fixed to 1 in the model (``_free_phantoms``), is 1 in the
+    start too, though the schedule forgets them where their forward runs again before their
+    backward. (HiGHS otherwise rejects the start's values and searches a sub-MIP to complete
+    it: every started solve of an option grid did.)"""
+    from solvers.option_repair import ScheduleRepair
+
+    graph = random_graph(random.Random(100 + seed), 5)
+    ilp = RkCheckmateILP(graph, lazy_recompute=True)
+    assert ilp.kept_alive
+    allowed = {(t, k) for t, slots in enumerate(ilp.slots) for k, r in slots if r is not None}
+    repairer = ScheduleRepair(graph, allowed, lazy=True, max_evaluations=200)
+    autograd = [c.name for c in graph.compute_nodes]
+    top = option_from_computes(graph, autograd)
+    recomputing = 0
+    for fraction in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4):
+        found = repairer.repair(autograd, top.peak_bytes, top.saved_bytes * fraction)
+        if found is None:
+            continue
+        computes = found[0]
+        recomputing += len(computes) > len(autograd)
+        ilp._set_start(computes)
+        integers = [v for v in ilp.variables if v.cat == "Integer"]
+        assert all(v.varValue is not None and (v.lowBound is None or v.varValue >= v.lowBound)
+                   and (v.upBound is None or v.varValue <= v.upBound) for v in integers)
+    assert recomputing >= 1
