@@ -16,8 +16,9 @@ recomputation. The published implementation solves every pair from scratch; here
    (this covers "the solution of a looser pair still fits"; a solve would promise no better).
    A pair tighter than an infeasible one is infeasible;
 4. otherwise the solutions of the two nearest looser pairs (four where the two nearest give
-   none) are repaired by :class:`solvers.option_repair.ScheduleRepair` until they fit; the best repaired solution
-   may already meet the lower bound (no solve), else it is the solve's MIP start. A start near
+   none) are repaired by :class:`solvers.option_repair.ScheduleRepair` until they fit; the
+   best repaired solution may already meet the lower bound (no solve), else it is the solve's
+   MIP start. A start near
    the optimum cuts CBC's time by a third (no feasibility pump, an early cutoff);
 5. pairs with a save budget above the peak budget are the same as save = peak;
 6. each ILP has a time limit and keeps its best feasible solution;
@@ -70,8 +71,9 @@ class GridReport:
     ``pairs`` grid pairs, of which ``solved`` by an ILP, ``reused`` (an earlier solution or a
     repaired one proven optimal by a looser pair), ``pruned_infeasible`` (tighter than an
     infeasible pair). ``repaired``: repaired solutions better than every fitting known one,
-    found in ``repair_s`` seconds (CPU of the thread that repairs). Phases in seconds: ``build_s`` (the ILP model), ``bounds_s``
-    (the min-peak and min-save solves), ``grid_s`` (the pairs), ``total_s``.
+    found in ``repair_s`` seconds (CPU of the thread that repairs). Phases in seconds:
+    ``build_s`` (the ILP model), ``bounds_s`` (the min-peak and min-save solves), ``grid_s``
+    (the pairs), ``total_s``.
     """
 
     pairs: int = 0
