@@ -18,8 +18,8 @@ recomputation. The published implementation solves every pair from scratch; here
 4. otherwise the solutions of the two nearest looser pairs (four where the two nearest give
    none) are repaired by :class:`solvers.option_repair.ScheduleRepair` until they fit; the
    best repaired solution may already meet the lower bound (no solve), else it is the solve's
-   MIP start. A start near
-   the optimum cuts CBC's time by a third (no feasibility pump, an early cutoff);
+   MIP start. A start near the optimum cuts CBC's time by a third (no feasibility pump, an
+   early cutoff);
 5. pairs with a save budget above the peak budget are the same as save = peak;
 6. each ILP has a time limit and keeps its best feasible solution;
 7. equal solutions are merged and dominated ones dropped (:func:`pareto_front`).
