@@ -161,8 +161,25 @@ class _Storages:
                    for storage in self.storage.get(d, ()))
 
     def add(self, d: str) -> int:
-        """``d`` becomes alive with new storages (replacing its old ones); return their bytes."""
-        return sum(self._hold_new(d, i) for i in range(len(self.graph.data(d).part_sizes)))
+        """``d`` becomes alive with new storages (replacing its old ones); return their bytes.
+        (:meth:`_hold_new` for each part, inlined: the simulator's most frequent step)"""
+        sizes = self.graph.data(d).part_sizes
+        parts = self.storage.get(d)
+        if parts is None:
+            parts = self.storage[d] = [None] * len(sizes)
+        counted = d not in self.uncounted
+        total = 0
+        for i, size in enumerate(sizes):
+            size = size if counted else 0
+            self._next += 1
+            self.bytes[self._next] = size
+            self.holders[self._next] = 1
+            self.memory += size
+            old, parts[i] = parts[i], self._next
+            if old is not None:
+                self._release(old)
+            total += size
+        return total
 
     def hold_for_user(self, d: str) -> None:
         """``d``'s storages get one more holder that never lets go (the user's output)."""
@@ -327,6 +344,8 @@ def _flush(storages: _Storages, kept: int, waiting: list[int]) -> int:
 
     The executor hands them over in the order the engine made them, mixed: the peak is what
     was there before, plus the biggest sum made while all the others still wait."""
+    if not waiting and not storages.pending:
+        return storages.memory + kept
     before = storages.memory + kept + sum(waiting)
     extra = storages.flush() - (before - kept - sum(waiting))
     peak = before + max([extra] + waiting)
@@ -764,20 +783,30 @@ def schedule_from_computes(
     protected = set(graph.input_data) | set(protected or ())
     keep_at_end = set(keep_at_end or ())
     nodes = [graph.compute(name) for name in computes]
-    # next event of each data node after position i: "use", "produce" or None
+    needs = [_memo(graph, node, _needs) for node in nodes]
+    produces = [_memo(graph, node, _outputs, True) for node in nodes]
+    # the events of each data node in order: (position, "use" or "produce")
     events: dict[str, list[tuple[int, str]]] = {}
-    for i, node in enumerate(nodes):
-        for d in _memo(graph, node, _needs):
+    for i in range(len(nodes)):
+        for d in needs[i]:
             events.setdefault(d, []).append((i, "use"))
-        for d in _memo(graph, node, _outputs, True):
+        for d in produces[i]:
             events.setdefault(d, []).append((i, "produce"))
+    # where each data node's search for its next event starts (the loop below asks in order of
+    # position: the events before the last position asked are passed once)
+    seen: dict[str, int] = {}
 
     def next_event(d: str, after: int) -> str | None:
-        for position, kind in events.get(d, ()):
-            if position > after:
-                if kind == "produce" and graph.data(d).kind is DataKind.GRAD:
-                    return "use"  # a gradient accumulates: it must stay alive until its last use
-                return kind
+        """The next event of ``d`` after position ``after``: "use", "produce" or None."""
+        found = events.get(d, ())
+        k = seen.get(d, 0)
+        while k < len(found) and found[k][0] <= after:
+            k += 1
+        seen[d] = k
+        if k < len(found):
+            if found[k][1] == "produce" and graph.data(d).kind is DataKind.GRAD:
+                return "use"  # a gradient accumulates: it must stay alive until its last use
+            return found[k][1]
         return "use" if d in keep_at_end else None
 
     ops: list[Operation] = []
@@ -792,9 +821,9 @@ def schedule_from_computes(
             phantoms = phantoms_of(graph, node)
             with_grad = phantoms is not None and next_event(phantoms, i) == "use"
         ops.append(Compute(node.name, with_grad))
-        outputs = _memo(graph, node, _outputs, with_grad)
+        outputs = produces[i] if with_grad else _memo(graph, node, _outputs, False)
         alive.update(outputs)
-        touched = _memo(graph, node, _needs) + outputs
+        touched = needs[i] + outputs
         for d in touched:
             if d in alive and d not in protected and next_event(d, i) != "use":
                 ops.append(Forget(d))
