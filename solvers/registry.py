@@ -478,8 +478,9 @@ class CheckmateSolver:
 
     def solve(self, chain: ModelChain, budget: int, *, start_schedule: Schedule | None = None) -> Plan:
         """The ILP's best plan within ``budget``. ``start_schedule``: a plan of another solver
-        within the budget (Rockmate's), given to CBC as its first incumbent, so that the result
-        is never worse than it and the time limit is spent improving on it (HiGHS ignores it)."""
+        within the budget (Rockmate's), given to the ILP solver as its first incumbent (CBC's and
+        HiGHS's MIP start), so that the result is never worse than it and the time limit is spent
+        improving on it."""
         start = time.perf_counter()
         graph, ilp = self._ilp(chain)
         target = float(budget)

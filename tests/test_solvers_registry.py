@@ -6,6 +6,7 @@ import pytest
 
 from solvers import SOLVERS, CheckmateSolver, RockmateSolver, get_solver, min_budget, simulate, solve
 from solvers.bounds import operation_floor
+from solvers.checkmate_ilp import highs_available
 from solvers.registry import no_recompute_schedule
 from solvers.toy_graphs import chain_of, diamond_graph, linear_graph, random_chain
 
@@ -109,15 +110,18 @@ def test_the_no_recomputation_peak_is_always_a_feasible_budget(name, chains):
         assert simulate(chain.whole_graph(), plan.schedule).peak_bytes == plan.predicted_peak
 
 
-def test_checkmate_started_from_another_plan_is_no_worse(chains):
+@pytest.mark.parametrize("backend", ["cbc", "highs"])
+def test_checkmate_started_from_another_plan_is_no_worse(chains, backend):
     """Rockmate's plan as Checkmate's first incumbent: the result is within the budget and no
     slower (what bench_solvers' quality table uses to measure how far Rockmate is from it)."""
+    if backend == "highs" and not highs_available():
+        pytest.skip("highspy is not installed")
     for chain in chains:
         top = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
         rockmate = RockmateSolver(peak_steps=4, save_steps=4, cache=None)
         budget = (rockmate.min_budget(chain) + top) // 2
         a = rockmate.solve(chain, budget)
-        c = CheckmateSolver().solve(chain, budget, start_schedule=a.schedule)
+        c = CheckmateSolver(ilp_solver=backend).solve(chain, budget, start_schedule=a.schedule)
         assert c.feasible and c.predicted_peak <= budget
         assert c.predicted_time <= a.predicted_time + 1e-12
 
