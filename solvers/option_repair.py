@@ -45,7 +45,8 @@ class ScheduleRepair:
     lazy
         Every recomputation must serve a later operation of its stage.
     max_evaluations
-        Simulations per :meth:`repair` call (each under a millisecond on a 25-node block).
+        Schedules evaluated per :meth:`repair` call, simulated or found in the cache of earlier
+        calls' (each simulation under a millisecond on a 25-node block).
     tied
         Per stage, the groups of forwards that the ILP recomputes together (one variable: a
         run of forwards, ``RkCheckmateILP(whole_runs=True)``): a repair recomputes all of a
@@ -217,24 +218,33 @@ class ScheduleRepair:
         recomputations that the fit does not need: of the removals that keep it fitting, the one
         that saves the most time first, again until none fits.
         """
-        budget = self.evaluations + self.max_evaluations
+        # the evaluations this repair asks for, found in the cache or not, count against its
+        # budget: its result depends on its arguments alone, not on what earlier repairs (in an
+        # order that the grid's solves' timing decides) left in the cache
+        asked = 0
+
+        def evaluate(stages: Stages) -> BlockOption | None:
+            nonlocal asked
+            asked += 1
+            return self.evaluate(stages)
+
         scale = max(peak, save, 1.0)
 
         def excess(o: BlockOption) -> float:
             return (max(0, o.peak_bytes - peak) + max(0, o.saved_bytes - save)) / scale
 
         current = self._lazy([list(e) for e in self.stages_of(computes)])
-        option = self.evaluate(current)
+        option = evaluate(current)
         if option is None:
             return None
         while excess(option) > 0:
-            if self.evaluations >= budget:
+            if asked >= self.max_evaluations:
                 return None
             # the moves by their time (known without simulating them): the first that fits is
             # the fitting one of least time, and the slower ones need no simulation
             scored, fitting = [], None
             for move in sorted(self._candidates(current, peak, save), key=self.time_of):
-                new = self.evaluate(move)
+                new = evaluate(move)
                 if new is None:
                     continue
                 if excess(new) == 0:
@@ -250,7 +260,7 @@ class ScheduleRepair:
             current, option = max(
                 better, key=lambda mo: (excess(option) - excess(mo[1])) / max(mo[1].time_s - option.time_s, 1e-12))
         improved = True
-        while improved and self.evaluations < budget:
+        while improved and asked < self.max_evaluations:
             improved = False
             removals = []
             for t, extra in enumerate(current):
@@ -262,7 +272,7 @@ class ScheduleRepair:
             for time_s, move in timed:
                 if time_s >= option.time_s:
                     break
-                new = self.evaluate(move)
+                new = evaluate(move)
                 if new is not None and excess(new) == 0:
                     current, option, improved = move, new, True
                     break
