@@ -812,22 +812,41 @@ def _phantoms_in_recording(saved: SavedTensors, node: str, device: torch.device)
     every free: nothing to copy."""
     if device.type != "cpu":
         return (lambda: None), 0
-    groups: dict[int, list] = {}
+    by_storage: dict[int, dict[int, list]] = {}  # storage -> tensor -> its packs
     for packed in saved.phantom_packs(node):
-        groups.setdefault(id(packed.tensor), []).append(packed)
-    movable = [group for group in groups.values() if owns_its_storage(group[0].tensor)]
-    keys = {storage_key(group[0].tensor) for group in movable}
-    if len(keys) < len(movable):  # two tensors over one storage: not told apart, not copied
-        return (lambda: None), 0
-    moved = sum(storage_bytes(group[0].tensor) for group in movable)
+        by_storage.setdefault(storage_key(packed.tensor), {}).setdefault(id(packed.tensor), []).append(packed)
+    movable = [list(tensors.values()) for tensors in by_storage.values() if _phantoms_hold_alone(tensors)]
+    moved = sum(storage_bytes(groups[0][0].tensor) for groups in movable)
 
     def move() -> None:
-        for group in movable:
-            copy = group[0].tensor.clone()
-            for packed in group:
-                packed.tensor = copy
+        for groups in movable:
+            first = groups[0][0].tensor
+            if len(groups) == 1:
+                copies = [first.clone()]
+            else:  # tensors over one storage (a chunk's pieces): one copy of it, the same geometries over the copy
+                storage = first.untyped_storage().clone()
+                copies = [torch.empty(0, dtype=g[0].tensor.dtype, device=device).set_(
+                    storage, g[0].tensor.storage_offset(), g[0].tensor.size(), g[0].tensor.stride()) for g in groups]
+            for group, copy in zip(groups, copies):
+                for packed in group:
+                    packed.tensor = copy
 
     return move, moved
+
+
+def _phantoms_hold_alone(tensors: dict[int, list]) -> bool:
+    """Whether the phantom tensors (``id -> packs``) over one storage are all that holds it:
+    one dense tensor over all of it (:func:`owns_its_storage`), or several tensors over it (a
+    GRU cell's ``unsafe_chunk`` pieces, a ``chunk``'s views) whose only other holders are their
+    bases, that nothing else holds (the storage counts the tensors, their bases and the
+    wrapper asked)."""
+    values = [packs[0].tensor for packs in tensors.values()]
+    if len(values) == 1:
+        return owns_its_storage(values[0])
+    bases = {id(t._base) for t in values if t._base is not None}
+    if bases & set(tensors):  # a base saved with its views: not told apart
+        return False
+    return torch._C._storage_Use_Count(values[0].untyped_storage()._cdata) <= len(values) + len(bases) + 1
 
 
 class _IncomingFreed:
