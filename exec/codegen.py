@@ -554,7 +554,9 @@ class _Generator:
             # the island of the node merged into this one: read its outputs, not its leaves
             self.local_values.update(self.raw_outputs)
             local_names += self.raw_outputs.values()
-        self.raw_outputs = {}
+            self.raw_outputs = {}
+        # (else kept for the reader: runs without grad that read nothing of them may come
+        # first, exec.merge)
         self.split_aliases = []
         self.skipped_lines = set()
         reads = self.split_reads(w, node) if with_grad else {}

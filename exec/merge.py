@@ -4,9 +4,10 @@ Each simplified node is normally an autograd island of its own (Rockmate, ICML 2
 5): its outputs are detached into leaves, and its backward is one nested call of the autograd
 engine from those leaves' gradients. On small operations that costs more than the operation
 (a nested engine call, a leaf, a gradient hook: tens of microseconds per node on CPU). When a
-node ``a`` is read by one node ``b`` only, and the schedule always runs ``fwd_b`` with grad
-right after ``fwd_a`` with grad and ``bwd_a`` right after ``bwd_b`` (only forgets in
-between, none of ``a``'s data in the forward), ``b`` can read ``a``'s outputs directly instead of through leaves: ``b``'s
+node ``a`` is read with grad by one node ``b`` only, and the schedule always runs ``fwd_b``
+with grad right after ``fwd_a`` with grad and ``bwd_a`` right after ``bwd_b`` (only forgets in
+between, none of ``a``'s data in the forward, where runs of nodes without grad may come in
+between too: a dropout's mask), ``b`` can read ``a``'s outputs directly instead of through leaves: ``b``'s
 backward then runs ``a``'s in the same engine call, exactly as eager PyTorch would (the
 gradient reaches ``a``'s backward without a leaf in between: same tensor, same layout).
 
@@ -26,8 +27,10 @@ __all__ = ["merge_candidates", "without_shared_reads", "plan_merges", "executed_
 
 
 def merge_candidates(graph, infos) -> dict[str, str]:
-    """``a -> b`` for every node ``a`` whose exported tensors only ``b`` reads (both requiring
-    grad, none of ``a``'s tensors a model output). Independent of the schedule."""
+    """``a -> b`` for every node ``a`` whose exported tensors only ``b`` reads with grad (both
+    requiring grad, none of ``a``'s tensors a model output); nodes without grad may read them
+    too (a dropout's mask, made like its input: they read ``a``'s data, which the merged
+    island still holds). Independent of the schedule."""
     readers = graph.readers()
     outputs = {graph.owner.get(name, name) for name in graph.outputs}
     candidates = {}
@@ -36,10 +39,9 @@ def merge_candidates(graph, infos) -> dict[str, str]:
             continue
         if not all(info.exported_requires_grad[o] for o in info.exported):
             continue
-        if len(readers.get(name, ())) == 1:
-            (reader,) = readers[name]
-            if infos[reader].requires_grad:
-                candidates[name] = reader
+        with_grad = [reader for reader in readers.get(name, ()) if infos[reader].requires_grad]
+        if len(with_grad) == 1:
+            candidates[name] = with_grad[0]
     return candidates
 
 
@@ -52,29 +54,36 @@ def compute_positions(ops: list[Operation]) -> dict[str, list[int]]:
     return positions
 
 
-def _fits_schedule(ops: list[Operation], a: str, b: str, positions: dict[str, list[int]] | None = None) -> bool:
+def _fits_schedule(ops: list[Operation], a: str, b: str, positions: dict[str, list[int]] | None = None,
+                   between: frozenset[str] = frozenset()) -> bool:
     """``fwd_b`` (grad) after each ``fwd_a`` (grad) and only there, with only forgets of other
-    data in between; ``bwd_a`` after ``bwd_b`` with only forgets in between. ``positions``:
-    :func:`compute_positions` of ``ops`` (only the runs of the four nodes are looked at)."""
+    data and runs of the nodes without grad ``between`` (a dropout's mask, drawn between its
+    input and its product) in between; ``bwd_a`` after
+    ``bwd_b`` with only forgets in between. ``positions``: :func:`compute_positions` of
+    ``ops`` (only the runs of the four nodes are looked at)."""
     positions = compute_positions(ops) if positions is None else positions
     fwd_a, fwd_b, bwd_a, bwd_b, a_data = f"fwd_{a}", f"fwd_{b}", f"bwd_{a}", f"bwd_{b}", f"{a}.data"
+    passable = {f"fwd_{n}" for n in between}
 
     def with_grad(op: Operation | None, node: str) -> bool:
         return isinstance(op, Compute) and op.node == node and op.with_grad
 
-    def neighbour(i: int, step: int, skip_own: bool = True) -> Operation | None:
+    def neighbour(i: int, step: int, skip_own: bool = True, forward: bool = False) -> Operation | None:
         """The first operation from ``i`` on (in direction ``step``) that is not a forget (of
-        data other than ``a``'s, with ``skip_own``)."""
+        data other than ``a``'s, with ``skip_own``), nor, in the ``forward``, a run of a node
+        ``between``."""
         i += step
-        while 0 <= i < len(ops) and isinstance(ops[i], Forget) and (not skip_own or ops[i].node != a_data):
+        while 0 <= i < len(ops) and (
+                isinstance(ops[i], Forget) and (not skip_own or ops[i].node != a_data)
+                or forward and isinstance(ops[i], Compute) and ops[i].node in passable):
             i += step
         return ops[i] if 0 <= i < len(ops) else None
 
     for i in positions.get(fwd_a, ()):
-        if ops[i].with_grad and not with_grad(neighbour(i, 1), fwd_b):
+        if ops[i].with_grad and not with_grad(neighbour(i, 1, forward=True), fwd_b):
             return False
     for i in positions.get(fwd_b, ()):
-        if ops[i].with_grad and not with_grad(neighbour(i, -1), fwd_a):
+        if ops[i].with_grad and not with_grad(neighbour(i, -1, forward=True), fwd_a):
             return False
     backwards_b = positions.get(bwd_b, ())
     if not backwards_b or min(positions.get(bwd_a, [len(ops)])) < backwards_b[0]:
@@ -135,19 +144,23 @@ def without_shared_reads(graph, merges: dict[str, str]) -> dict[str, str]:
     Eager PyTorch sums all the gradient contributions to a tensor read several times (a
     parameter of an unrolled RNN) before adding them to its ``.grad``; islands add them one
     island at a time, in the same order, which rounds the same way only when each island
-    brings one contribution. Merges are taken in graph order.
+    brings one contribution. Two results of one node are two tensors (the query, key and value
+    pieces of a split projection, each a leaf of its own: its gradient is never summed with
+    another's). Merges are taken in graph order.
     """
     chain_of: dict[str, str] = {}  # node -> first node of its merged chain
-    reads: dict[str, set[str]] = {}  # first node of a chain -> holders its nodes read
+    reads: dict[str, set[str]] = {}  # first node of a chain -> tensors its nodes read
     kept: dict[str, str] = {}
     merged_into = {b: a for a, b in merges.items()}
     for node in graph.nodes:
         b = node.name
         a = merged_into.get(b)
-        mine = graph.reads(node)
+        # (the tensors of other nodes and the globals that its lines read; a's, read by b alone)
+        mine = {arg.name for line in node.lines for arg in line.all_input_nodes
+                if graph.owner.get(arg.name, arg.name) not in (b, a)}
         if a is not None and a in chain_of:
             head = chain_of[a]
-            if not (reads[head] - {a}) & (mine - {a}):
+            if not reads[head] & mine:
                 kept[a] = b
                 chain_of[b] = head
                 reads[head] |= mine
@@ -170,7 +183,9 @@ def plan_merges(graph, schedule: Schedule, infos, cdgraph=None, peak_limit: int 
     """
     ops = schedule.ops
     positions = compute_positions(ops)
-    candidates = {a: b for a, b in merge_candidates(graph, infos).items() if _fits_schedule(ops, a, b, positions)}
+    without_grad = frozenset(name for name, info in infos.items() if not info.requires_grad)
+    candidates = {a: b for a, b in merge_candidates(graph, infos).items()
+                  if _fits_schedule(ops, a, b, positions, without_grad)}
     candidates = without_shared_reads(graph, candidates)
     if cdgraph is None or peak_limit is None:
         return candidates

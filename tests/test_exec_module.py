@@ -231,6 +231,34 @@ def test_no_island_reads_one_tensor_twice():
     _assert_same_training(compiled, reference, sample, steps=2)
 
 
+def test_islands_merge_across_dropout_masks_and_pieces_of_one_projection():
+    """A dropout's mask is a node without grad that reads its input (it is made like it) and
+    runs between the input and the product: the input's island now merges with the product's
+    (a reader without grad reads the data the merged island still holds). The query/key and the
+    value pieces of one projection, read by two nodes of one chain, are two tensors, not one
+    read twice. The zoo's GPT planned without recomputation: 30 of its 56 nodes merged (26
+    before: 26 islands instead of 30), bitwise equal to eager."""
+    from exec.merge import merge_candidates, without_shared_reads
+
+    from rockmate import Rockmate
+
+    model, sample = ZOO["gpt"].build()
+    reference = copy.deepcopy(model)
+    planned = Rockmate(model, sample, 10**9, cost_model="flops")
+    compiled, graph = planned.compiled, planned.graphs.simplified
+    runner = next(iter(compiled._runners.values()))
+    infos = runner.infos
+    readers = graph.readers()
+    # the inputs of the dropouts' products, read by their masks (without grad) too
+    into_dropouts = [a for a, b in runner.merged.items()
+                     if any(not infos[r].requires_grad for r in readers[a]) and b.startswith("dropout")]
+    assert len(into_dropouts) >= 4, runner.merged
+    chains = without_shared_reads(graph, merge_candidates(graph, infos))
+    assert "dropout_1" in chains  # the attention's chain: q and k read by its first matmul, v by its last
+    assert len(runner.merged) >= 30
+    _assert_same_training(compiled, reference, sample, steps=3)
+
+
 def test_executed_order_runs_a_merged_chain_at_its_last_backward():
     from exec.merge import executed_order
     from solvers.schedule import Forget
