@@ -38,6 +38,7 @@ from rkgb.interpret import EAGER_KERNELS, GRAD_MODE_NUMERICS, REQUIRES_GRAD_DISP
 from rkgb.simplify import (NO_GRADIENT, SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, parameter_gradient_sources,
                            split_of_view, summed_input_views, summed_parameter_views, summing_view_chain)
 from solvers.schedule import Compute, Forget, Schedule
+from .merge import grad_readers
 
 __all__ = ["GeneratedCode", "MARKER_PREFIX", "ScheduleError", "NodeInfo", "node_infos", "generate"]
 
@@ -142,8 +143,12 @@ class _Generator:
         self.markers = markers  # wrap each schedule operation in a profiler range (exec.timeline)
         # merged islands (exec.merge): a -> b, b reads a's outputs directly, not via leaves
         self.merged = dict(merged or {})
-        self.reads_raw = {b: a for a, b in self.merged.items()}
-        self.raw_outputs: dict[str, str] = {}  # fx name -> local of a merged node's output
+        # a merged node -> the nodes that read its outputs directly (with grad: all in its
+        # island, exec.merge.closed_merges); its outputs' locals live until the last has run
+        readers = grad_readers(graph, infos) if self.merged else {}
+        self.raw_readers = {a: set(readers[a]) for a in self.merged}
+        self.raw_outputs: dict[str, dict[str, str]] = {}  # merged node -> fx name -> local of its output
+        self.raw_pending: dict[str, set[str]] = {}  # merged node -> its readers yet to run
         self.schedule = schedule
         self.infos = infos
         self.device = device
@@ -550,13 +555,14 @@ class _Generator:
         self.local_values = {}
         local_names = []
         merged_in = with_grad and name in self.merged  # b reads our outputs, not leaves
-        if with_grad and name in self.reads_raw:
-            # the island of the node merged into this one: read its outputs, not its leaves
-            self.local_values.update(self.raw_outputs)
-            local_names += self.raw_outputs.values()
-            self.raw_outputs = {}
-        # (else kept for the reader: runs without grad that read nothing of them may come
-        # first, exec.merge)
+        for producer in [p for p, pending in self.raw_pending.items() if name in pending] if with_grad else ():
+            # the island of a node merged into this one's: read its outputs, not its leaves
+            # (kept until its last reader has run: runs without grad may come in between)
+            self.local_values.update(self.raw_outputs[producer])
+            self.raw_pending[producer].discard(name)
+            if not self.raw_pending[producer]:
+                del self.raw_pending[producer]
+                local_names += self.raw_outputs.pop(producer).values()
         self.split_aliases = []
         self.skipped_lines = set()
         reads = self.split_reads(w, node) if with_grad else {}
@@ -638,8 +644,9 @@ class _Generator:
         if exported:
             w(f"register_data({name!r}, {self.tuple(f's.{o}' for o in exported)})")
         if merged_in:
-            self.raw_outputs = {out: out for out in exported}
-            local_names = [n for n in local_names if n not in self.raw_outputs]
+            self.raw_outputs[name] = {out: out for out in exported}
+            self.raw_pending[name] = set(self.raw_readers[name])
+            local_names = [n for n in local_names if n not in self.raw_outputs[name]]
         if local_names:
             w(f"del {', '.join(local_names)}")
         self.local_values = {}

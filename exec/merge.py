@@ -22,27 +22,60 @@ from __future__ import annotations
 from solvers.schedule import Compute, Forget, Operation, Schedule
 from solvers.simulate import simulate
 
-__all__ = ["merge_candidates", "without_shared_reads", "plan_merges", "executed_order", "executed_positions",
-           "same_call"]
+__all__ = ["merge_candidates", "without_shared_reads", "closed_merges", "grad_readers", "plan_merges", "executed_order",
+           "executed_positions", "same_call"]
+
+
+def grad_readers(graph, infos) -> dict[str, list[str]]:
+    """Each node -> the nodes requiring grad that read one of its tensors, in graph order."""
+    readers = graph.readers()
+    return {node.name: [reader.name for reader in graph.nodes
+                        if reader.name in readers.get(node.name, ()) and infos[reader.name].requires_grad]
+            for node in graph.nodes}
 
 
 def merge_candidates(graph, infos) -> dict[str, str]:
-    """``a -> b`` for every node ``a`` whose exported tensors only ``b`` reads with grad (both
-    requiring grad, none of ``a``'s tensors a model output); nodes without grad may read them
-    too (a dropout's mask, made like its input: they read ``a``'s data, which the merged
-    island still holds). Independent of the schedule."""
-    readers = graph.readers()
+    """``a -> b`` for every node ``a`` that requires grad (its exported tensors too, none of
+    them a model output), ``b`` the first of the nodes that read it with grad. Nodes without
+    grad may read it too (a dropout's mask, made like its input: they read ``a``'s data, which
+    the merged island still holds); where other nodes read it with grad, the merge stands only
+    if they share ``b``'s island too (:func:`closed_merges`). Independent of the schedule."""
     outputs = {graph.owner.get(name, name) for name in graph.outputs}
     candidates = {}
-    for name, info in infos.items():
-        if name in outputs or not info.requires_grad or not info.exported:
+    for name, with_grad in grad_readers(graph, infos).items():
+        info = infos[name]
+        if name in outputs or not info.requires_grad or not info.exported or not with_grad:
             continue
-        if not all(info.exported_requires_grad[o] for o in info.exported):
-            continue
-        with_grad = [reader for reader in readers.get(name, ()) if infos[reader].requires_grad]
-        if len(with_grad) == 1:
+        if all(info.exported_requires_grad[o] for o in info.exported):
             candidates[name] = with_grad[0]
     return candidates
+
+
+def chain_heads(merges: dict[str, str]) -> dict[str, str]:
+    """Each node of a merged island -> the island's first node (following ``a -> b`` back)."""
+    merged_into = {b: a for a, b in merges.items()}
+    heads: dict[str, str] = {}
+    for node in set(merges) | set(merges.values()):
+        head = node
+        while head in merged_into:
+            head = merged_into[head]
+        heads[node] = head
+    return heads
+
+
+def closed_merges(merges: dict[str, str], readers: dict[str, list[str]]) -> dict[str, str]:
+    """The merges whose ``a`` has every reader with grad (``readers``) in its own island:
+    each such reader reads ``a``'s outputs directly. Merges are dropped until that holds (a
+    drop splits an island, which may leave another reader outside)."""
+    merges = dict(merges)
+    while True:
+        heads = chain_heads(merges)
+        dropped = [a for a in merges
+                   if any(heads.get(reader, reader) != heads[a] for reader in readers.get(a, ()))]
+        if not dropped:
+            return merges
+        for a in dropped:
+            del merges[a]
 
 
 def compute_positions(ops: list[Operation]) -> dict[str, list[int]]:
@@ -146,7 +179,9 @@ def without_shared_reads(graph, merges: dict[str, str]) -> dict[str, str]:
     island at a time, in the same order, which rounds the same way only when each island
     brings one contribution. Two results of one node are two tensors (the query, key and value
     pieces of a split projection, each a leaf of its own: its gradient is never summed with
-    another's). Merges are taken in graph order.
+    another's). The outputs of a node merged into the island are no leaves: its readers there
+    read them directly, and the engine sums their contributions as eager's does. Merges are
+    taken in graph order.
     """
     chain_of: dict[str, str] = {}  # node -> first node of its merged chain
     reads: dict[str, set[str]] = {}  # first node of a chain -> tensors its nodes read
@@ -155,16 +190,18 @@ def without_shared_reads(graph, merges: dict[str, str]) -> dict[str, str]:
     for node in graph.nodes:
         b = node.name
         a = merged_into.get(b)
-        # (the tensors of other nodes and the globals that its lines read; a's, read by b alone)
+        head = chain_of.get(a) if a is not None else None
+
+        def inside(owner: str) -> bool:  # (a node merged into this island: read directly)
+            return owner == b or owner == a or (owner in kept and chain_of.get(owner) == head)
+
         mine = {arg.name for line in node.lines for arg in line.all_input_nodes
-                if graph.owner.get(arg.name, arg.name) not in (b, a)}
-        if a is not None and a in chain_of:
-            head = chain_of[a]
-            if not reads[head] & mine:
-                kept[a] = b
-                chain_of[b] = head
-                reads[head] |= mine
-                continue
+                if not inside(graph.owner.get(arg.name, arg.name))}
+        if head is not None and not reads[head] & mine:
+            kept[a] = b
+            chain_of[b] = head
+            reads[head] |= mine
+            continue
         chain_of[b] = b
         reads[b] = set(mine)
     return kept
@@ -186,7 +223,18 @@ def plan_merges(graph, schedule: Schedule, infos, cdgraph=None, peak_limit: int 
     without_grad = frozenset(name for name, info in infos.items() if not info.requires_grad)
     candidates = {a: b for a, b in merge_candidates(graph, infos).items()
                   if _fits_schedule(ops, a, b, positions, without_grad)}
-    candidates = without_shared_reads(graph, candidates)
+    readers = grad_readers(graph, infos)
+
+    def consistent(merges: dict[str, str]) -> dict[str, str]:
+        """Without shared reads and closed, each in view of the other (a dropped merge makes its
+        node's outputs leaves again, which an island may then read twice)."""
+        while True:
+            kept = closed_merges(without_shared_reads(graph, merges), readers)
+            if kept == merges:
+                return kept
+            merges = kept
+
+    candidates = consistent(candidates)
     if cdgraph is None or peak_limit is None:
         return candidates
     def peak(merges: dict[str, str]) -> int:
@@ -200,7 +248,7 @@ def plan_merges(graph, schedule: Schedule, infos, cdgraph=None, peak_limit: int 
         else each half in turn: a simulation per group instead of one per merge (a 24-layer
         Llama planned with recomputation: 484 simulations of its whole schedule, 20 s, before)."""
         nonlocal accepted
-        trial = {**accepted, **dict(pending)}
+        trial = consistent({**accepted, **dict(pending)})
         if peak(trial) <= peak_limit:
             accepted = trial
         elif len(pending) > 1:

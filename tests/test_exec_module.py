@@ -231,14 +231,16 @@ def test_no_island_reads_one_tensor_twice():
     _assert_same_training(compiled, reference, sample, steps=2)
 
 
-def test_islands_merge_across_dropout_masks_and_pieces_of_one_projection():
+def test_islands_merge_across_dropout_masks_and_nodes_read_by_several():
     """A dropout's mask is a node without grad that reads its input (it is made like it) and
     runs between the input and the product: the input's island now merges with the product's
     (a reader without grad reads the data the merged island still holds). The query/key and the
     value pieces of one projection, read by two nodes of one chain, are two tensors, not one
-    read twice. The zoo's GPT planned without recomputation: 30 of its 56 nodes merged (26
-    before: 26 islands instead of 30), bitwise equal to eager."""
-    from exec.merge import merge_candidates, without_shared_reads
+    read twice. And a node read with grad by several nodes merges where they all share one
+    island (its outputs read directly there, the engine summing their contributions as eager's
+    does). The zoo's GPT planned without recomputation: 35 of its 56 nodes merged (26 before:
+    21 islands instead of 30), bitwise equal to eager."""
+    from exec.merge import chain_heads, grad_readers, merge_candidates, without_shared_reads
 
     from rockmate import Rockmate
 
@@ -255,8 +257,28 @@ def test_islands_merge_across_dropout_masks_and_pieces_of_one_projection():
     assert len(into_dropouts) >= 4, runner.merged
     chains = without_shared_reads(graph, merge_candidates(graph, infos))
     assert "dropout_1" in chains  # the attention's chain: q and k read by its first matmul, v by its last
-    assert len(runner.merged) >= 30
+    # a node read with grad by several nodes of one island merges into it: the projection
+    # (query and key read by the first matmul, value by the last), the residual stream (read by
+    # the next layer norm and by the next addition)
+    assert runner.merged.get("linear") == "matmul" and "dropout" in runner.merged
+    heads = chain_heads(runner.merged)
+    assert all(heads[reader] == heads["linear"] for reader in grad_readers(graph, infos)["linear"])
+    assert len(runner.merged) >= 35
     _assert_same_training(compiled, reference, sample, steps=3)
+
+
+def test_a_node_read_outside_its_island_keeps_its_leaves():
+    """``x`` read with grad by ``r1`` and ``r3``: merged into ``r1``'s island only where ``r3``
+    is in it too (its outputs are then read directly by both); a dropped merge splits an island,
+    which may leave another node's reader outside in turn."""
+    from exec.merge import chain_heads, closed_merges
+
+    readers = {"x": ["r1", "r3"], "r1": ["r2"], "r2": ["r3"], "w": ["x"]}
+    assert closed_merges({"x": "r1", "r1": "r2", "r2": "r3"}, readers) == {"x": "r1", "r1": "r2", "r2": "r3"}
+    assert closed_merges({"x": "r1", "r1": "r2"}, readers) == {"r1": "r2"}
+    # w -> x stands alone once x leaves r1's island
+    assert closed_merges({"w": "x", "x": "r1", "r1": "r2"}, readers) == {"w": "x", "r1": "r2"}
+    assert chain_heads({"w": "x", "r1": "r2"}) == {"w": "w", "x": "w", "r1": "r1", "r2": "r1"}
 
 
 def test_executed_order_runs_a_merged_chain_at_its_last_backward():
