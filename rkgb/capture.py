@@ -348,16 +348,33 @@ class TracedProgram:
 
     places: dict[str, int]
     views: dict[str, _TracedView]
+    # an op that writes its first argument in place -> the name of the tensor it writes
+    writes: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: torch.fx.Graph) -> "TracedProgram":
-        places, views = {}, {}
+        places, views, writes = {}, {}, {}
         for place, node in enumerate(graph.nodes):
             places[node.name] = place
             if node.op == "call_function" and _returns_alias(node.target) and node.args \
                     and isinstance(node.args[0], torch.fx.Node):
                 views[node.name] = _TracedView(node.target, node.args[0].name, repr(node.args[1:]))
-        return cls(places, views)
+            elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args \
+                    and isinstance(node.args[0], torch.fx.Node) and node.target._schema.arguments \
+                    and node.target._schema.arguments[0].alias_info is not None \
+                    and node.target._schema.arguments[0].alias_info.is_write:
+                writes[node.name] = node.args[0].name
+        return cls(places, views, writes)
+
+    def written_bases(self, name: str) -> set[str]:
+        """The tensors that the in-place op ``name`` writes: its first argument and, through
+        the views it is made of, their bases (``copy_`` into a slice of ``out``: ``out``)."""
+        found: set[str] = set()
+        tensor = self.writes.get(name)
+        while tensor is not None and tensor not in found:
+            found.add(tensor)
+            tensor = self.views[tensor].base if tensor in self.views else None
+        return found
 
 
 def place_regenerated_views(graph: torch.fx.Graph, traced: TracedProgram) -> int:
@@ -371,7 +388,9 @@ def place_regenerated_views(graph: torch.fx.Graph, traced: TracedProgram) -> int
     gradients of the readers made after the view (:func:`exec.codegen._result_views_made_late`).
     Each such view is matched with the traced view of the same op and arguments on the same base
     (by the base's origins) that no functional node comes from, and moved before the first node
-    that comes from a traced node made after it. Returns how many were moved."""
+    that comes from a traced node made after it. Returns how many were moved (or merged,
+    :func:`_merge_view_copies`)."""
+    moved = _merge_view_copies(graph, traced)
     place_of: dict[str, int] = {}
     used: set[str] = set()
     for node in graph.nodes:
@@ -380,7 +399,6 @@ def place_regenerated_views(graph: torch.fx.Graph, traced: TracedProgram) -> int
         places = [traced.places[name] for name in origins if name in traced.places]
         if places:
             place_of[node.name] = max(places)
-    moved = 0
     matched: dict[str, str] = {}  # a regenerated view -> the traced view it is made again from
     for node in list(graph.nodes):
         if node.op != "call_function" or node.meta.get("from_node") or node.meta.get("stack_trace") \
@@ -403,6 +421,40 @@ def place_regenerated_views(graph: torch.fx.Graph, traced: TracedProgram) -> int
     if moved:
         graph.lint()
     return moved
+
+
+def _merge_view_copies(graph: torch.fx.Graph, traced: TracedProgram) -> int:
+    """Make one node of the views that functionalization made several times from one traced
+    view (the same op and arguments on the same base): the program made one tensor, whose
+    gradient gathers its readers' and the user's contributions before it reaches the base.
+    Made apart, each copy's contributions reached the base on its own, in another order than
+    eager's (fuzz seed 231: a slice-assigned result, a view of it and a convolution of the view,
+    all returned). Only where the traced program has exactly one such view. Returns how many
+    copies were replaced."""
+    groups: dict[tuple, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and _returns_alias(node.target) and node.args \
+                and isinstance(node.args[0], torch.fx.Node):
+            key = (node.target, node.args[0], repr(node.args[1:]), repr(node.kwargs))
+            groups.setdefault(key, []).append(node)
+    replaced = 0
+    for (target, base, rest, _), nodes in groups.items():
+        if len(nodes) < 2:
+            continue
+        base_names = _origins(base) | {base.name}
+        for origin in list(base_names):  # (the new value of a tensor written in place)
+            base_names |= traced.written_bases(origin)
+        traced_views = [name for name, view in traced.views.items()
+                        if view.target is target and view.base in base_names and view.rest == rest]
+        if len(traced_views) != 1:
+            continue
+        for copy in nodes[1:]:
+            copy.replace_all_uses_with(nodes[0])
+            graph.erase_node(copy)
+            replaced += 1
+    if replaced:
+        graph.lint()
+    return replaced
 
 
 def _nodes_before(first: torch.fx.Node, end: torch.fx.Node):
