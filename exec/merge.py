@@ -28,10 +28,13 @@ __all__ = ["merge_candidates", "without_shared_reads", "closed_merges", "grad_re
 
 def grad_readers(graph, infos) -> dict[str, list[str]]:
     """Each node -> the nodes requiring grad that read one of its tensors, in graph order."""
-    readers = graph.readers()
-    return {node.name: [reader.name for reader in graph.nodes
-                        if reader.name in readers.get(node.name, ()) and infos[reader.name].requires_grad]
-            for node in graph.nodes}
+    found: dict[str, list[str]] = {node.name: [] for node in graph.nodes}
+    for reader in graph.nodes:
+        if infos[reader.name].requires_grad:
+            for holder in graph.reads(reader):
+                if holder in found:  # (a node, not a global)
+                    found[holder].append(reader.name)
+    return found
 
 
 def merge_candidates(graph, infos) -> dict[str, str]:

@@ -359,10 +359,8 @@ class TracedProgram:
             if node.op == "call_function" and _returns_alias(node.target) and node.args \
                     and isinstance(node.args[0], torch.fx.Node):
                 views[node.name] = _TracedView(node.target, node.args[0].name, repr(node.args[1:]))
-            elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.args \
-                    and isinstance(node.args[0], torch.fx.Node) and node.target._schema.arguments \
-                    and node.target._schema.arguments[0].alias_info is not None \
-                    and node.target._schema.arguments[0].alias_info.is_write:
+            elif node.op == "call_function" and _writes_first_argument(node.target) and node.args \
+                    and isinstance(node.args[0], torch.fx.Node):
                 writes[node.name] = node.args[0].name
         return cls(places, views, writes)
 
@@ -463,6 +461,14 @@ def _nodes_before(first: torch.fx.Node, end: torch.fx.Node):
     while current is not end and current.op != "root":
         yield current
         current = current.next
+
+
+def _writes_first_argument(target) -> bool:
+    """Whether ``target`` is an ATen op that writes its first argument in place (``copy_``)."""
+    if not isinstance(target, torch._ops.OpOverload) or not target._schema.arguments:
+        return False
+    alias = target._schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
 
 
 def _returns_alias(target) -> bool:
