@@ -9,7 +9,9 @@ fits; then it removes the recomputations that are no longer needed.
 
 A solution is a sequence of computes in Checkmate's stages (stage ``t`` runs compute node
 ``t`` last, after recomputations of earlier forward nodes); the schedule, its peak, saved
-memory and time are those of :func:`solvers.options.option_from_computes`, as for every option.
+memory and time are those of :func:`solvers.options.option_from_computes`, as for every option:
+the search measures its candidates with :class:`solvers.stage_figures.StageFigures` (the
+simulator's figures, ~8x faster), and the schedule it returns is measured by the simulator.
 Only the recomputations that the ILP models (``allowed``) are used, and with
 ``lazy=True`` each recomputation serves a later operation of its own stage, so that the result
 is a valid MIP start.
@@ -19,14 +21,8 @@ from __future__ import annotations
 
 from rkgb.cdgraph import CDGraph, ComputeKind
 from solvers.options import BlockOption, option_from_computes
-from solvers.schedule import Forget
-from solvers.simulate import (
-    InvalidSchedule,
-    effective_needs,
-    operation_outputs,
-    schedule_from_computes,
-    simulate,
-)
+from solvers.simulate import effective_needs, operation_outputs
+from solvers.stage_figures import SequenceFigures, StageFigures
 
 __all__ = ["ScheduleRepair"]
 
@@ -45,8 +41,8 @@ class ScheduleRepair:
     lazy
         Every recomputation must serve a later operation of its stage.
     max_evaluations
-        Schedules evaluated per :meth:`repair` call, simulated or found in the cache of earlier
-        calls' (each simulation under a millisecond on a 25-node block).
+        Sequences evaluated per :meth:`repair` call, measured or found in the cache of earlier
+        calls' (~0.2 ms each on a 59-compute attention class).
     tied
         Per stage, the groups of forwards that the ILP recomputes together (one variable: a
         run of forwards, ``RkCheckmateILP(whole_runs=True)``): a repair recomputes all of a
@@ -72,8 +68,12 @@ class ScheduleRepair:
                     self.producer.setdefault(d, i)
         self.inputs = set(graph.input_data)
         self.loss = next(i for i, c in enumerate(self.nodes) if c.kind is ComputeKind.LOSS)
-        self._cache: dict[Stages, BlockOption | None] = {}
+        self.figures = StageFigures(graph)
+        self._cache: dict[Stages, SequenceFigures | None] = {}
         self.evaluations = 0
+        # repaired schedules that the simulator measured otherwise than the figures did (none:
+        # the figures are the simulator's; such a schedule is dropped, not returned)
+        self.mismatches = 0
 
     # -- representation ------------------------------------------------------------------
     def stages_of(self, computes: list[str]) -> Stages:
@@ -107,20 +107,31 @@ class ScheduleRepair:
                     backward += node.time_s
         return forward + backward
 
-    def evaluate(self, stages: Stages) -> BlockOption | None:
+    def evaluate(self, stages: Stages) -> SequenceFigures | None:
+        """The figures of the schedule of ``stages`` (None: the simulator refuses it)."""
         if stages not in self._cache:
             self.evaluations += 1
-            try:
-                self._cache[stages] = option_from_computes(self.graph, self.computes_of(stages), source="repair")
-            except InvalidSchedule:
-                self._cache[stages] = None
+            positions, stage_of = self._sequence(stages)
+            self._cache[stages] = self.figures.figures(positions, stage_of)
         return self._cache[stages]
+
+    @staticmethod
+    def _sequence(stages: Stages) -> tuple[list[int], list[int]]:
+        positions: list[int] = []
+        stage_of: list[int] = []
+        for t, extra in enumerate(stages):
+            positions.extend(extra)
+            positions.append(t)
+            stage_of.extend([t] * (len(extra) + 1))
+        return positions, stage_of
 
     def _lazy(self, stages: list[list[int]]) -> Stages:
         """Drop the recomputations that serve no later operation of their stage (then complete
         the tied groups that keep a member)."""
         if self.lazy:
             for t, extra in enumerate(stages):
+                if not extra:
+                    continue
                 kept: list[int] = []
                 read = set(self.needs[t])
                 for k in sorted(extra, reverse=True):
@@ -129,63 +140,40 @@ class ScheduleRepair:
                         read |= self.needs[k]
                 stages[t] = kept
         for t, groups in self.tied.items():
+            if not stages[t]:
+                continue
             extra = set(stages[t])
             for group in groups:
                 if extra.intersection(group):
                     extra.update(group)
             stages[t] = list(extra)
-        return tuple(tuple(sorted(set(e))) for e in stages)
+        return tuple(tuple(sorted(set(e))) if e else () for e in stages)
 
     # -- moves ---------------------------------------------------------------------------
-    def _replay(self, stages: Stages):
-        """Alive sets at the start of each stage and at the peak, and where each op runs."""
-        computes = self.computes_of(stages)
-        schedule = schedule_from_computes(self.graph, computes, protected=set(self.graph.input_grads))
-        result = simulate(self.graph, schedule, keep_outputs=False)
-        alive = set(self.inputs)
-        stage_start: list[set[str]] = []
-        op_stage: list[int] = []  # stage of each Compute, in order
-        peak_alive: set[str] = set()
-        peak_position = -1  # position of the peak's Compute among the computes
-        stage = 0
-        position = 0
-        for i, op in enumerate(schedule.ops):
-            if isinstance(op, Forget):
-                alive.discard(op.node)
-                continue
-            while len(stage_start) <= stage:
-                stage_start.append(set(alive))
-            if i == result.peak_index:
-                peak_alive, peak_position = set(alive), position
-            op_stage.append(stage)
-            if self.index[op.node] == stage:
-                stage += 1
-            alive.update(operation_outputs(self.graph, self.graph.compute(op.node), op.with_grad))
-            position += 1
-        return computes, result, stage_start, op_stage, peak_alive, peak_position
-
     def _candidates(self, stages: Stages, peak: float, save: float) -> list[Stages]:
-        computes, result, stage_start, op_stage, peak_alive, peak_position = self._replay(stages)
+        positions, op_stage = self._sequence(stages)
+        figures = self.evaluate(stages)
+        bit = self.figures.bit
         targets: set[tuple[int, int]] = set()  # (stage, forward) to recompute there
 
         def next_use(d: str, after: int) -> None:
-            for position in range(after + 1, len(computes)):
-                if d in self.needs[self.index[computes[position]]]:
+            for position in range(after + 1, len(positions)):
+                if d in self.needs[positions[position]]:
                     t = op_stage[position]
                     if (t, self.producer[d]) in self.allowed:
                         targets.add((t, self.producer[d]))
                     return
 
-        if result.saved_bytes > save and result.alive_after_forward:
-            loss_position = computes.index(self.names[self.loss])
-            for d in result.alive_after_forward:
+        if figures.saved_bytes > save:
+            loss_position = positions.index(self.loss)
+            for d in self.figures.alive(figures.alive_at_loss):
                 if d in self.producer and d not in self.inputs and self.graph.size(d) > 0:
                     next_use(d, loss_position)
-        if result.peak_bytes > peak and peak_position >= 0:
-            node = self.index[computes[peak_position]]
-            for d in peak_alive:
+        if figures.schedule_peak_bytes > peak and figures.peak_position >= 0:
+            node = positions[figures.peak_position]
+            for d in self.figures.alive(figures.alive_at_peak):
                 if d in self.producer and d not in self.inputs and self.graph.size(d) > 0 and d not in self.needs[node]:
-                    next_use(d, peak_position)
+                    next_use(d, figures.peak_position)
         moves: list[Stages] = []
         for t, k in sorted(targets):
             alone = [list(e) for e in stages]
@@ -202,7 +190,8 @@ class ScheduleRepair:
                 chain[t].append(j)
                 for d in self.needs[j]:
                     p = self.producer.get(d)
-                    if p is not None and d not in stage_start[t] and (t, p) in self.allowed and p not in added:
+                    alive = d in self.inputs or (d in bit and figures.stage_starts[t] >> bit[d] & 1)
+                    if p is not None and not alive and (t, p) in self.allowed and p not in added:
                         todo.append(p)
             moves.append(self._lazy(chain))
         return list(dict.fromkeys(moves))
@@ -223,14 +212,14 @@ class ScheduleRepair:
         # order that the grid's solves' timing decides) left in the cache
         asked = 0
 
-        def evaluate(stages: Stages) -> BlockOption | None:
+        def evaluate(stages: Stages) -> SequenceFigures | None:
             nonlocal asked
             asked += 1
             return self.evaluate(stages)
 
         scale = max(peak, save, 1.0)
 
-        def excess(o: BlockOption) -> float:
+        def excess(o: SequenceFigures | BlockOption) -> float:
             return (max(0, o.peak_bytes - peak) + max(0, o.saved_bytes - save)) / scale
 
         current = self._lazy([list(e) for e in self.stages_of(computes)])
@@ -276,4 +265,9 @@ class ScheduleRepair:
                 if new is not None and excess(new) == 0:
                     current, option, improved = move, new, True
                     break
-        return self.computes_of(current), option
+        computes = self.computes_of(current)
+        measured = option_from_computes(self.graph, computes, source="repair")
+        if excess(measured) > 0 or measured.time_s != option.time_s:
+            self.mismatches += 1
+            return None
+        return computes, measured

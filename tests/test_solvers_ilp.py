@@ -317,6 +317,7 @@ def test_repaired_schedules_fit_and_are_valid_mip_starts(name, lazy):
             assert warm.feasible and warm.objective == pytest.approx(cold.objective, abs=1e-6)
             assert option_from_computes(graph, warm.computes).time_s <= option.time_s + 1e-12
     assert repaired >= 3
+    assert repairer.mismatches == 0  # the figures the search used are the simulator's
 
 
 @pytest.mark.parametrize("name", ["multi_output", "random1"])
