@@ -302,9 +302,8 @@ class _ScheduleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, runner: "_Runner", handover: _Handover, *tensors: torch.Tensor):
+    def forward(ctx, runner: "_Runner", handover: _Handover, state: StepState, *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)
-        state = runner.new_state()
         inputs = tensors[: runner.input_count]
         with torch.enable_grad():
             outputs = runner.code.forward_phase(state, *inputs)
@@ -342,7 +341,7 @@ class _ScheduleFunction(torch.autograd.Function):
         finally:
             for collector in collectors.values():
                 collector.handle.remove()
-        grads = [None, None]  # the runner, the handover
+        grads = [None, None, None]  # the runner, the handover, the step's state
         for name, requires_grad in zip(runner.input_names, runner.input_requires_grad):
             grads.append(getattr(state, name).grad if requires_grad else None)
         for i in range(len(parameters)):
@@ -412,9 +411,10 @@ class _Runner:
         )
         self.module = module
 
-    def new_state(self) -> StepState:
+    def new_state(self, global_tensors: list[torch.Tensor]) -> StepState:
+        """The state of one step; ``global_tensors``: the parameters, buffers and constants now."""
         saved = SavedTensors()
-        saved.register_globals(self.module._global_tensors())
+        saved.register_globals(global_tensors)
         return StepState(saved)
 
 
@@ -520,7 +520,7 @@ class CompiledModule(nn.Module):
         self._runners: dict[tuple, _Runner] = {}
         # the dtype and device of each parameter and buffer at build time: the plan's sizes and
         # kernels are theirs (a model cast or moved afterwards needs a new plan)
-        self._state_signature = self._current_state_signature()
+        self._state_signature = self._current_state_signature(*self._current_tensors())
         self._autocast = autocast_state()  # the graph holds the casts of the build's autocast
         # run each schedule operation inside a profiler range (exec.timeline), off by default
         self.markers = False
@@ -540,36 +540,36 @@ class CompiledModule(nn.Module):
             runner = self._runners[key] = _Runner(self, input_requires_grad, parameter_requires_grad, hooked, markers)
         return runner
 
-    def _global_tensors(self) -> list[torch.Tensor]:
-        tensors = [getattr(m, a) for _, m, a in self._parameter_refs]
-        tensors += [getattr(m, a) for _, m, a in self._buffer_refs]
-        tensors += list(self.graph.captured.constants.values())
-        return tensors
+    def _current_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The model's parameters and buffers behind the graph's placeholders, as they are now
+        (a module may have replaced one): read once per call, each through ``Module.__getattr__``."""
+        return [getattr(m, a) for _, m, a in self._parameter_refs], [getattr(m, a) for _, m, a in self._buffer_refs]
 
     @property
     def code(self) -> str:
         """The generated source of the schedule (for the sample's ``requires_grad`` pattern)."""
         return next(iter(self._runners.values())).code.source
 
-    def _current_state_signature(self) -> list[tuple[str, torch.dtype, torch.device]]:
+    def _current_state_signature(self, parameters: list[torch.Tensor],
+                                 buffers: list[torch.Tensor]) -> list[tuple[str, torch.dtype, torch.device]]:
         captured = self.graph.captured
         paths = {**captured.parameters, **captured.buffers}
         refs = self._parameter_refs + self._buffer_refs
-        return [(paths.get(name, name), getattr(m, a).dtype, getattr(m, a).device) for name, m, a in refs]
+        return [(paths.get(name, name), t.dtype, t.device) for (name, _, _), t in zip(refs, parameters + buffers)]
 
-    def _check_state(self) -> None:
+    def _check_state(self, parameters: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         """A clear error where the model was cast or moved (``.to(torch.float64)``, ``.cuda()``)
         after the plan was made."""
-        for (name, dtype, device), (_, now_dtype, now_device) in zip(self._state_signature,
-                                                                     self._current_state_signature()):
-            if (dtype, device) != (now_dtype, now_device):
+        for (name, dtype, device), tensor in zip(self._state_signature, parameters + buffers):
+            now_dtype, now_device = tensor.dtype, tensor.device
+            if now_dtype != dtype or now_device != device:
                 raise ValueError(
                     f"Rockmate: the model's {name} is {now_dtype} on {now_device} but the plan was made for "
                     f"{dtype} on {device}: the model was cast or moved after Rockmate was built; build "
                     f"Rockmate again after .to(...), with a sample of the new dtype and device")
 
-    def _check_inputs(self, args: tuple) -> None:
-        self._check_state()
+    def _check_inputs(self, args: tuple, parameters: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+        self._check_state(parameters, buffers)
         if autocast_state() != self._autocast:
             raise ValueError(
                 f"Rockmate: called with autocast {_describe_autocast(autocast_state())} but built with autocast "
@@ -619,10 +619,11 @@ class CompiledModule(nn.Module):
         """The shapes of the sample's tensors."""
         return [expected[0] for expected in self._sample_signature if isinstance(expected, tuple)]
 
-    def runner_for(self, args: tuple) -> _Runner:
-        """The generated code that a call with ``args`` runs (one per pattern of requires_grad)."""
+    def runner_for(self, args: tuple, parameters: list[torch.Tensor] | None = None) -> _Runner:
+        """The generated code that a call with ``args`` runs (one per pattern of requires_grad);
+        ``parameters``: the model's now (read here where not given)."""
         tensors = [value for value in args if isinstance(value, torch.Tensor)]
-        parameters = [getattr(m, a) for _, m, a in self._parameter_refs]
+        parameters = self._current_tensors()[0] if parameters is None else parameters
         hooked = tuple(p.requires_grad and bool(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
                        for p in parameters)
         return self._runner(
@@ -632,13 +633,14 @@ class CompiledModule(nn.Module):
     def forward(self, *args):
         if not (self.training and self.model.training and torch.is_grad_enabled()):
             return self.model(*args)
-        self._check_inputs(args)
+        parameters, buffers = self._current_tensors()
+        self._check_inputs(args, parameters, buffers)
         tensors = [value for value in args if isinstance(value, torch.Tensor)]
-        parameters = [getattr(m, a) for _, m, a in self._parameter_refs]
-        runner = self.runner_for(args)
-        self._bind_globals(runner)
+        runner = self.runner_for(args, parameters)
+        self._bind_globals(runner, parameters, buffers)
         handover = _Handover(self.graph.outputs, self._read_by_backward)
-        outputs = list(_ScheduleFunction.apply(runner, handover, *tensors, *parameters))
+        state = runner.new_state([*parameters, *buffers, *self.graph.captured.constants.values()])
+        outputs = list(_ScheduleFunction.apply(runner, handover, state, *tensors, *parameters))
         handover.versions = [output._version for output in outputs]
         # a tensor the model returns several times is one object, behind one gate, as in eager:
         # the engine sums its gradients in that gate's buffer as they come (separate gates would
@@ -653,14 +655,14 @@ class CompiledModule(nn.Module):
             return tuple(outputs)
         return outputs[0]
 
-    def _bind_globals(self, runner: _Runner) -> None:
+    def _bind_globals(self, runner: _Runner, parameters: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         """Bind the current parameter, buffer and tensor-attribute tensors (a module may have
         replaced one)."""
         namespace = runner.code.globals
-        for name, module, attribute in self._parameter_refs:
-            namespace[name] = getattr(module, attribute)
-        for name, module, attribute in self._buffer_refs:
-            namespace[name] = getattr(module, attribute)
+        for (name, _, _), tensor in zip(self._parameter_refs, parameters):
+            namespace[name] = tensor
+        for (name, _, _), tensor in zip(self._buffer_refs, buffers):
+            namespace[name] = tensor
         for name, value in self.graph.captured.constants.items():
             namespace[name] = value
         for name, module, attribute in self._constant_refs:
