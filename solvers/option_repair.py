@@ -11,7 +11,7 @@ A solution is a sequence of computes in Checkmate's stages (stage ``t`` runs com
 ``t`` last, after recomputations of earlier forward nodes); the schedule, its peak, saved
 memory and time are those of :func:`solvers.options.option_from_computes`, as for every option:
 the search measures its candidates with :class:`solvers.stage_figures.StageFigures` (the
-simulator's figures, ~8x faster), and the schedule it returns is measured by the simulator.
+simulator's figures, 6-8x faster), and the schedule it returns is measured by the simulator.
 Only the recomputations that the ILP models (``allowed``) are used, and with
 ``lazy=True`` each recomputation serves a later operation of its own stage, so that the result
 is a valid MIP start.
@@ -42,7 +42,7 @@ class ScheduleRepair:
         Every recomputation must serve a later operation of its stage.
     max_evaluations
         Sequences evaluated per :meth:`repair` call, measured or found in the cache of earlier
-        calls' (~0.2 ms each on a 59-compute attention class).
+        calls' (~0.3 ms each on a 59-compute attention class).
     tied
         Per stage, the groups of forwards that the ILP recomputes together (one variable: a
         run of forwards, ``RkCheckmateILP(whole_runs=True)``): a repair recomputes all of a

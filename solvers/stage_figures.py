@@ -14,8 +14,9 @@ joining their gradients as a stage starts). What varies is the data the forwards
 storage of its own: this module follows those alone, with the schedule's forgetting rule and the
 simulator's accounting, and adds the profile. The figures are the simulator's exactly (the same
 peaks, saved bytes, end bytes and times; the same invalid sequences): ``tests/test_stage_figures.py``
-compares them on thousands of sequences of toy, random and real class graphs. Each figure is
-computed in ~0.2 ms on that class.
+compares them on thousands of sequences of toy, random and real class graphs. They take 0.29 ms
+a sequence on that class (1.73 ms for the schedule and its simulation), 0.11 ms on GPT-2 small's
+29-compute attention class (0.86 ms).
 
 It serves the repairs' search only: the option a repair returns is measured again by the
 simulator, which stays the single source of truth of every option (:mod:`solvers.simulate`).
