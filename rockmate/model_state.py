@@ -82,7 +82,9 @@ class ModelState:
 
     def __post_init__(self) -> None:
         # what :meth:`_as_built` compares at each call (the identities of what the build saw)
-        self._children = [(module._modules, dict(module._modules)) for module in self.modules.values()]
+        self._child_counts = [(module._modules, len(module._modules)) for module in self.modules.values()]
+        self._children = [(module._modules, name, child) for module in self.modules.values()
+                          for name, child in module._modules.items()]
         self._attributes = [(vars(self.modules[path]), name, value) for (path, name), value in self.values.items()]
         # each module's attributes, where its hooks' dicts are (read at each call by hooked())
         self._module_attributes = [(path, vars(module)) for path, module in self.modules.items()]
@@ -95,8 +97,13 @@ class ModelState:
         """Every module, attribute and tensor the one the build saw, of the same value and shape
         (a sufficient test, in one pass without walking the module tree: the compiled module's
         guard at each call; :meth:`changed` tells what differs where it fails)."""
-        for children, then in self._children:
-            if len(children) != len(then) or any(children.get(name) is not child for name, child in then.items()):
+        # (one flat loop over every module's children: a generator per module cost ~60 us a call
+        # on a 12-layer model, this ~20 us)
+        for children, count in self._child_counts:
+            if len(children) != count:
+                return False
+        for children, name, child in self._children:
+            if children.get(name) is not child:
                 return False
         missing = object()
         for attributes, name, value in self._attributes:
@@ -159,5 +166,8 @@ def _frozen(value):
     if isinstance(value, list):
         return [_frozen(item) for item in value]
     if isinstance(value, tuple):
-        return tuple(_frozen(item) for item in value)
+        items = tuple(_frozen(item) for item in value)
+        # a tuple of values that cannot change is kept itself: the check at each call then finds
+        # the attribute identical (a LayerNorm's normalized_shape: 25 of a 12-layer GPT's)
+        return value if all(a is b for a, b in zip(items, value)) else items
     return value

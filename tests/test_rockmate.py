@@ -220,22 +220,39 @@ def test_the_model_state_guard_sees_every_change_the_full_comparison_sees():
     replaced by one of another shape or given data of another shape, a buffer removed."""
     from rockmate.model_state import ModelState
 
+    class AnyReLU(torch.nn.ReLU):
+        """A module that says it equals any other: the guard compares modules by identity."""
+
+        def __eq__(self, other):
+            return True
+
+        __hash__ = torch.nn.ReLU.__hash__
+
     def model():
         net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         net[0].sizes = [4, 4]
+        net[0].shape = (4, 2)  # a tuple of numbers: kept as the object itself
+        net[0].nested = (4, [2])  # a tuple holding a list: a frozen copy
         net.register_buffer("steps", torch.zeros(()))
         return net
 
     changes = [lambda m: m[0].sizes.append(8), lambda m: m.add_module("extra", torch.nn.ReLU()),
                lambda m: m.__setitem__(1, torch.nn.GELU()), lambda m: delattr(m, "1"),
+               lambda m: m.__setitem__(1, AnyReLU()),
                lambda m: setattr(m[0], "weight", torch.nn.Parameter(torch.zeros(5, 4))),
-               lambda m: setattr(m[0].weight, "data", torch.zeros(2, 8)), lambda m: delattr(m, "steps")]
+               lambda m: setattr(m[0].weight, "data", torch.zeros(2, 8)), lambda m: delattr(m, "steps"),
+               lambda m: setattr(m[0], "shape", (4, 3)), lambda m: m[0].nested[1].append(1)]
     for change in changes:
         net = model()
         state = ModelState.of(net)
         assert state._as_built() and state.changed() == []
         change(net)
         assert not state._as_built() and state.changed(), change
+    # an equal tuple put in place of the build's is no change
+    net = model()
+    state = ModelState.of(net)
+    net[0].shape = tuple([4, 2])
+    assert state._as_built() and state.changed() == []
 
 
 def test_new_values_of_python_attributes_are_planned_again(monkeypatch):
