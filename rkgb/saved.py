@@ -166,11 +166,12 @@ class SavedTensors:
 
     def finish_island(self, node: str, outputs: Sequence[torch.Tensor]) -> None:
         """Saved tensors that alias ``node``'s own outputs become references to its data."""
-        if not self._phantoms.get(node):
+        phantoms = self._phantoms.get(node)
+        if not phantoms:
             return
         keys = {storage_key(t): i for i, t in enumerate(outputs) if t.numel()}
         kept = []
-        for packed in self._phantoms.get(node, []):
+        for packed in phantoms:
             index = keys.get(storage_key(packed.tensor))
             if index is None:
                 kept.append(packed)

@@ -29,6 +29,7 @@ from solvers.schedule import Compute, Forget, Operation, Schedule
 from solvers.simulate import schedule_from_computes, simulate
 
 __all__ = [
+    "PhaseFigures",
     "BlockOption",
     "NoGradForward",
     "ClassOptions",
@@ -42,8 +43,22 @@ __all__ = [
 ]
 
 
+class PhaseFigures:
+    """An option's peak and time from its two phases' figures (``forward_peak_bytes``,
+    ``backward_peak_bytes``, ``forward_time_s``, ``backward_time_s``): :class:`BlockOption`'s,
+    and the repairs' figures of a sequence (:class:`solvers.stage_figures.SequenceFigures`)."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.forward_peak_bytes, self.backward_peak_bytes)
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_time_s + self.backward_time_s
+
+
 @dataclass
-class BlockOption:
+class BlockOption(PhaseFigures):
     """One way to run a block: forward ops, backward ops (class-graph names) and their costs."""
 
     forward_ops: list[Operation]
@@ -56,14 +71,6 @@ class BlockOption:
     end_bytes: int = 0
     source: str = ""
     time_limit_hit: bool = False
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(self.forward_peak_bytes, self.backward_peak_bytes)
-
-    @property
-    def time_s(self) -> float:
-        return self.forward_time_s + self.backward_time_s
 
     def key(self) -> tuple:
         """Figures that decide the DP (two options with equal keys are interchangeable)."""

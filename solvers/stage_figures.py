@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rkgb.cdgraph import CDGraph, ComputeKind
+from solvers.options import PhaseFigures
 from solvers.simulate import effective_needs, gradient_profile, operation_outputs, phantoms_of
 
 __all__ = ["SequenceFigures", "StageFigures"]
@@ -35,7 +36,7 @@ _USE, _PRODUCE = 1, 2  # the kinds of a data node's next event (0: none)
 
 
 @dataclass
-class SequenceFigures:
+class SequenceFigures(PhaseFigures):
     """What :func:`solvers.simulate.simulate` measures of the schedule of a sequence of computes
     (the figures of :class:`solvers.options.BlockOption`), and what the repairs read of its
     replay: ``schedule_peak_bytes``, the simulation's peak (the loss's own run included, which
@@ -56,14 +57,6 @@ class SequenceFigures:
     alive_at_peak: int
     alive_at_loss: int
 
-    @property
-    def peak_bytes(self) -> int:
-        return max(self.forward_peak_bytes, self.backward_peak_bytes)
-
-    @property
-    def time_s(self) -> float:
-        return self.forward_time_s + self.backward_time_s
-
 
 class StageFigures:
     """The figures of sequences of computes of one CD-graph (see the module's documentation).
@@ -74,7 +67,6 @@ class StageFigures:
     """
 
     def __init__(self, graph: CDGraph) -> None:
-        self.graph = graph
         nodes = graph.compute_nodes
         self.nodes = nodes
         inputs = set(graph.input_data)
@@ -101,7 +93,6 @@ class StageFigures:
             p = phantoms_of(graph, c)
             self.phantoms.append(index[p] if p is not None and p in index else -1)
         self.overhead = [(c.overhead(False), c.overhead(True)) for c in nodes]
-        self.loss = next(i for i, c in enumerate(nodes) if c.kind is ComputeKind.LOSS)
         # the gradients, as every sequence has them (option_from_computes protects the input
         # gradients, as here)
         protected = set(graph.input_grads)
