@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +30,7 @@ def read_pickle(path: str):
 def write_pickle(path: str, value) -> None:
     """Write ``value`` atomically; a read-only or full disk leaves nothing written (the cache
     then lives in memory only), and an interrupt (Ctrl-C) while writing leaves no partial file."""
-    temporary = f"{path}.{os.getpid()}.tmp"
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(temporary, "wb") as handle:

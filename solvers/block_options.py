@@ -33,8 +33,10 @@ See ``benchmarks/bench_solvers.py``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -124,6 +126,7 @@ def solve_class_options(
     grid_time_limit_s: float | None = None,
     whole_runs: bool = False,
     report: GridReport | None = None,
+    solver_slots: threading.Semaphore | None = None,
 ) -> ClassOptions:
     """The options of one class: rk-Checkmate on ``graph`` for a grid of budget pairs.
 
@@ -187,8 +190,9 @@ def solve_class_options(
     def solve_one(peak, save, kwargs, limit_s=time_limit_s, within=gap):
         ilp = models.get()
         try:
-            return ilp.solve(peak, save, time_limit_s=limit_s, solver=ilp_solver, gap=within,
-                             cbc_options=GRID_CBC_OPTIONS, **kwargs)
+            with solver_slots if solver_slots is not None else contextlib.nullcontext():
+                return ilp.solve(peak, save, time_limit_s=limit_s, solver=ilp_solver, gap=within,
+                                 cbc_options=GRID_CBC_OPTIONS, **kwargs)
         finally:
             models.put(ilp)
 

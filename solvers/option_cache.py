@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import threading
 from collections import OrderedDict
 from typing import Callable
 
@@ -64,6 +65,11 @@ def default_directory() -> str | None:
     return os.path.join(base, "rockmate")
 
 
+# the caches' memory, read and written by the classes' grids in threads (one lock for all: a
+# cache is pickled and copied with the solver that holds it)
+_LOCK = threading.Lock()
+
+
 class OptionCache:
     """Least-recently-used in memory (``capacity`` entries), and on disk under ``directory``
     when given (one pickle per entry; written by this library, read back only from there)."""
@@ -89,26 +95,28 @@ class OptionCache:
         again and rewritten), else ``compute()``, stored."""
         key = self.key(graph, settings)
         times = tuple(node.time_s for node in graph.compute_nodes)
-        entry = self._entries.get(key)
-        if entry is not None and similar_times(entry[0], times):
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return entry[1]
+        with _LOCK:  # (classes are solved in threads: solvers.registry.RockmateSolver)
+            entry = self._entries.get(key)
+            if entry is not None and similar_times(entry[0], times):
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return entry[1]
         path = os.path.join(self.directory, f"{key}.pkl") if self.directory else None
         entry = self._read(path) if path and os.path.exists(path) else None
         if entry is not None and kind is not None and not isinstance(entry[1], kind):
             entry = None
-        if entry is not None and similar_times(entry[0], times):
-            self.hits += 1
-        else:
-            self.misses += 1
+        hit = entry is not None and similar_times(entry[0], times)
+        if not hit:
             entry = (times, compute())
             if path:
                 write_pickle(path, entry)
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        if len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        with _LOCK:
+            self.hits += int(hit)
+            self.misses += int(not hit)
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            if len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
         return entry[1]
 
 

@@ -154,3 +154,43 @@ def test_a_class_too_big_for_the_ilp_gets_rotors_options():
     chain = build(model, sample, cost_model="flops").model_chain
     small = registry.min_budget(chain, "rockmate", max_ilp_computes=5, peak_steps=3, save_steps=3)
     assert small == registry.min_budget(chain, "rotor")
+
+
+def test_classes_solved_side_by_side_give_the_options_of_one_after_another(monkeypatch):
+    """RockmateSolver runs two classes' grids at a time, their ILP solves sharing ``workers``
+    solver slots: never more solves at once than that, and each class's options are those of
+    its grid solved alone."""
+    import threading
+
+    from solvers.block_options import solve_class_options
+    from solvers.checkmate_ilp import RkCheckmateILP
+
+    rng = random.Random(11)
+    chain = random_chain(rng, 6, n_classes=4, nodes_per_block=4)
+    assert len({b.class_index for b in chain.blocks}) >= 3
+    running, most, lock = [0], [0], threading.Lock()
+    real_solve = RkCheckmateILP.solve
+
+    def counted(self, *args, **kwargs):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            return real_solve(self, *args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(RkCheckmateILP, "solve", counted)
+    solver = RockmateSolver(peak_steps=4, save_steps=4, workers=2, cache=None)
+    solver.solve(chain, 10**9)
+    assert 1 <= most[0] <= 2
+    for index in sorted({b.class_index for b in chain.blocks}):
+        alone = solve_class_options(chain.classes[index], peak_steps=4, save_steps=4, time_limit_s=solver.time_limit_s,
+                                    forward_recompute=solver.forward_recompute, lazy_recompute=solver.lazy_recompute,
+                                    gap=solver.gap, workers=1, grid_time_limit_s=solver.grid_time_limit_s,
+                                    whole_runs=solver.whole_runs)
+        side_by_side = solver._options_of(chain, index)
+        assert [o.key() for o in side_by_side.options] == [o.key() for o in alone.options]
+        assert solver.option_seconds[f"options of class {index} ({len(chain.classes[index].compute_nodes)} computes)"] >= 0
+    assert solver.option_seconds["options"] > 0
