@@ -405,7 +405,8 @@ class RockmateSolver(ChainPlanner):
     workers: int = 2  # ILPs of a grid solved at the same time (the options do not depend on it)
     # wall-clock cap on one class's grid: the pairs not started by then are left out (the
     # class keeps its lowest and fastest options, solved first); bounds planning time on
-    # blocks of 60+ computes whose every ILP hits ``time_limit_s``. None: no cap
+    # blocks of 60+ computes whose every ILP hits ``time_limit_s``. It counts the grid's waits
+    # for a solver slot that the grid beside it holds (``_solve_classes``). None: no cap
     grid_time_limit_s: float | None = 60.0
     # a class with more computes gets Rotor's options (keep everything, or recompute the whole
     # block): its ILP is too big to plan in time (T5's merged encoder-decoder class of 245
