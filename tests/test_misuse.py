@@ -322,6 +322,47 @@ def test_models_export_cannot_capture_are_capture_errors(model, what, capfd):
     assert "def forward" not in capfd.readouterr().err
 
 
+class _EarlyBranchThenDeep(nn.Module):
+    """A branch on values that the shapes do not determine (the input's sum), then many layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(40)])
+
+    def forward(self, x):
+        return self.layers(x * 2 if x.sum() > 0 else x)
+
+
+def test_the_real_values_attempt_stops_at_its_first_undetermined_decision(monkeypatch):
+    """After export meets a branch on values, the capture tries again with the sample's real
+    values (for branches that the shapes decide); a branch on values the shapes do not decide
+    ends that attempt where it is met, not after tracing the rest of the forward (BART, T5:
+    ~2 s a build), and the user's error is the same."""
+    from rkgb import capture
+
+    attempts = []
+    real_export = capture._export_quietly
+
+    def recorded(*args, **kwargs):
+        try:
+            result = real_export(*args, **kwargs)
+        except BaseException as error:
+            attempts.append(type(error).__name__)
+            raise
+        attempts.append("exported")
+        return result
+
+    model = _EarlyBranchThenDeep()
+    monkeypatch.setattr(capture, "_export_quietly", recorded)
+    linear_calls = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: linear_calls.append(1) or real_linear(*a, **k))
+    with pytest.raises(CaptureError, match=r"(?s)could not capture _EarlyBranchThenDeep.*x\.sum\(\) > 0"):
+        _compiled(model)
+    assert attempts == ["GuardOnDataDependentSymNode", "_UndeterminedDecision"]
+    assert linear_calls == []  # neither attempt traced a layer after the branch
+
+
 class _CaughtGuardThenCache(nn.Module):
     """Meets a data-dependent branch, catches it and goes around (as transformers' mask
     helpers do), then returns a value export refuses: the error is not the caught branch's."""
