@@ -359,7 +359,9 @@ def test_the_real_values_attempt_stops_at_its_first_undetermined_decision(monkey
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: linear_calls.append(1) or real_linear(*a, **k))
     with pytest.raises(CaptureError, match=r"(?s)could not capture _EarlyBranchThenDeep.*x\.sum\(\) > 0"):
         _compiled(model)
-    assert attempts == ["GuardOnDataDependentSymNode", "_UndeterminedDecision"]
+    assert attempts[:2] == ["GuardOnDataDependentSymNode", "_UndeterminedDecision"]
+    # (where transformers is imported, a third attempt runs along its paths under a compiler)
+    assert attempts[2:] in ([], ["GuardOnDataDependentSymNode"])
     assert linear_calls == []  # neither attempt traced a layer after the branch
 
 
