@@ -435,6 +435,9 @@ class RockmateSolver(ChainPlanner):
             options = self.class_options(chain, index, solver_slots=slots)
             return index, options, time.perf_counter() - clock
 
+        for index in indices:
+            if index not in todo:
+                self.option_seconds[self._timing_key(chain, index)] = 0.0  # (already solved)
         todo.sort(key=lambda index: -len(chain.classes[index].compute_nodes))
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="rockmate-class") as pool:
             futures = [pool.submit(run, index) for index in todo]
