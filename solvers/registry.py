@@ -191,11 +191,9 @@ class ChainPlanner:
 
     def _options_of(self, chain: ModelChain, index: int) -> ClassOptions:
         graph = chain.classes[index]
-        cached = self._classes.get(id(graph))
-        if cached is None or cached[0] is not graph:
-            cached = (graph, self.class_options(chain, index))
-            self._classes[id(graph)] = cached
-        return cached[1]
+        if not self._has_options(chain, index):
+            self._classes[id(graph)] = (graph, self.class_options(chain, index))
+        return self._classes[id(graph)][1]
 
     def _has_options(self, chain: ModelChain, index: int) -> bool:
         cached = self._classes.get(id(chain.classes[index]))
@@ -435,9 +433,8 @@ class RockmateSolver(ChainPlanner):
             options = self.class_options(chain, index, solver_slots=slots)
             return index, options, time.perf_counter() - clock
 
-        for index in indices:
-            if index not in todo:
-                self.option_seconds[self._timing_key(chain, index)] = 0.0  # (already solved)
+        self.option_seconds.update({self._timing_key(chain, index): 0.0  # (solved before)
+                                    for index in indices if index not in todo})
         todo.sort(key=lambda index: -len(chain.classes[index].compute_nodes))
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="rockmate-class") as pool:
             futures = [pool.submit(run, index) for index in todo]

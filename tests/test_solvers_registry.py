@@ -1,6 +1,7 @@
 """Every solver by name: plans within budget, predicted == simulated, infeasible budgets."""
 
 import random
+import time
 
 import pytest
 
@@ -169,6 +170,7 @@ def test_classes_solved_side_by_side_give_the_options_of_one_after_another(monke
     chain = random_chain(rng, 6, n_classes=4, nodes_per_block=4)
     assert len({b.class_index for b in chain.blocks}) >= 3
     running, most, lock = [0], [0], threading.Lock()
+    threads = set()
     real_solve = RkCheckmateILP.solve
 
     def counted(self, *args, **kwargs):
@@ -176,15 +178,24 @@ def test_classes_solved_side_by_side_give_the_options_of_one_after_another(monke
             running[0] += 1
             most[0] = max(most[0], running[0])
         try:
+            time.sleep(0.02)  # (solves long enough to overlap: without the shared slots, up to 4 at once)
             return real_solve(self, *args, **kwargs)
         finally:
             with lock:
                 running[0] -= 1
 
     monkeypatch.setattr(RkCheckmateILP, "solve", counted)
+    real_class_options = RockmateSolver.class_options
+
+    def class_options(self, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return real_class_options(self, *args, **kwargs)
+
+    monkeypatch.setattr(RockmateSolver, "class_options", class_options)
     solver = RockmateSolver(peak_steps=4, save_steps=4, workers=2, cache=None)
     solver.solve(chain, 10**9)
-    assert 1 <= most[0] <= 2
+    assert most[0] == 2
+    assert threads and all(name.startswith("rockmate-class") for name in threads)  # (grids side by side)
     for index in sorted({b.class_index for b in chain.blocks}):
         alone = solve_class_options(chain.classes[index], peak_steps=4, save_steps=4, time_limit_s=solver.time_limit_s,
                                     forward_recompute=solver.forward_recompute, lazy_recompute=solver.lazy_recompute,
