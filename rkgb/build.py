@@ -389,12 +389,14 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
             sum(returned[view] for view in grouped)
         result.setdefault("loss", []).extend([grad] * outputs)
         # a group's sum is the input's gradient where it is the only way the gradient comes
-        # (it becomes the gradient when it joins); else a second tensor meanwhile (counted to
-        # the end of the step: one buffer for the input's views, as a group's sum joins the
-        # input's gradient before the next group's first contribution)
+        # (it becomes the gradient when it joins); else a second tensor meanwhile, until the
+        # group joins the input's gradient at the view's place (``FirstRun.delivery``; one
+        # buffer for the input's views, as a group's sum joins the input's gradient before the
+        # next group's first contribution)
         alone = len(grouped) == 1 and outputs == 0 and not any(direct.values()) and not summed
-        key = grad if alone else FirstRun(input_views_key(name), size, accumulates=True)
         for view, view_readers in grouped.items():
+            key = grad if alone else FirstRun(input_views_key(name), size, accumulates=True,
+                                              delivery=delivery(view))
             result.setdefault("loss", []).extend([key] * returned[view])
             for reader in view_readers:
                 result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(key)

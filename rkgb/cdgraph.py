@@ -452,7 +452,11 @@ class FirstRun:
     ``delivery`` starts (None: when the backward ends), the node's own contributions joined by
     then: the backward of a view group summed at the view's size, run on the group's sum where
     the group is delivered (``rkgb.build``), while the group's sum is still there; that sum (the
-    keys ``releases``) is freed once it has joined.
+    keys ``releases``) is freed once it has joined. For the sum of a model input's view group
+    (:func:`input_views_key`), ``delivery`` is where it joins the input's gradient (None: at
+    the backward's end): added into it, or the gradient itself where there is none yet (a
+    dense tensor of its own, which later contributions are added into in place, where
+    ``owned``).
     """
 
     key: str

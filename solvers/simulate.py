@@ -292,6 +292,28 @@ class _Storages:
             self.pending.append((d, 0, self._new(entry.bytes)))
         return self.memory - before
 
+    def join_views(self, key: str, size: int, owned: bool) -> int:
+        """The sum of a model input's view group (``size`` bytes, counted apart until now) joins
+        the input's gradient ``key`` (:func:`rkgb.cdgraph.input_views_key`, ``FirstRun.delivery``,
+        ``rkgb.gradsink.GradientQueue.deliver``): it becomes the gradient where there is none yet
+        (a dense tensor of its own where ``owned``: later contributions are added into it in
+        place), else it is added into it, in place where the gradient is a dense tensor held
+        alone, else into a new sum (``old + grad``). Return the new bytes while it joins, the
+        group's sum still there (the caller frees it after)."""
+        d = _FIRST_RUN + key
+        if d not in self.storage:
+            self.first_run_sizes[d] = size
+            self._hold_new(d, 0)
+            if owned:
+                self.addable.add(self.storage[d][0])
+            return 0
+        held = self.storage[d][0]
+        if self.holders[held] == 1 and (held in self.addable or held in self.whole):
+            return 0
+        made = self._hold_new(d, 0)  # then the old one goes
+        self.addable.add(self.storage[d][0])
+        return made
+
     def release_first_run(self, key: str) -> None:
         """The gradient of first-run ``key`` (accumulating) joins another and is freed."""
         d = _FIRST_RUN + key
@@ -500,10 +522,16 @@ def simulate(
     # node before which they are (None: the backward's end) -> (node, entry)
     deliveries: dict[str | None, list] = {}
     held_back: list[str] = []  # backwards in the engine call of the one before (merged islands)
+    # the sums of model inputs' view groups that join the inputs' gradients where the compute
+    # node is about to start (the view's place in the backward); those of None stay to the end
+    joins: dict[str, list[FirstRun]] = {}
     for name, entries in (first_run_bytes or {}).items():
         for entry in entries:
             if entry.after_flush and graph.has_compute(name):
                 deliveries.setdefault(entry.delivery, []).append((graph.compute(name), entry))
+            elif entry.delivery is not None and views_key_input(entry.key) is not None and \
+                    entry not in joins.get(entry.delivery, ()):
+                joins.setdefault(entry.delivery, []).append(entry)
     storages = _Storages(graph, inputs)
     for d in sorted(alive):
         storages.add(d)
@@ -557,7 +585,8 @@ def simulate(
         # what is delivered or freed where this node's backward starts (for a backward in the
         # engine call of the one before, a merged island's: after that call, exec.codegen)
         releasing: list = []
-        if released_by or deliveries:
+        joining: list = []
+        if released_by or deliveries or joins:
             if same_call and i in same_call:
                 held_back.append(node.name)
             else:
@@ -566,7 +595,17 @@ def simulate(
                         flushed = max(flushed, _contribute_deferred(storages, kept, waiting, deliveries.pop(name),
                                                                     first_runs))
                     releasing.extend(released_by.get(name, ()))
+                    joining.extend(joins.pop(name, ()))
                 held_back.clear()
+        # the sums of the inputs' view groups whose place this is join the inputs' gradients
+        for entry in joining:
+            if entry.key in first_runs:
+                first_runs.discard(entry.key)
+                grad_key = input_grad_key(views_key_input(entry.key))
+                before = storages.memory + kept + sum(waiting)
+                flushed = max(flushed, before + storages.join_views(grad_key, entry.bytes, entry.owned))
+                first_runs.add(grad_key)
+                kept -= entry.bytes
         # then the view groups whose place this is join their bases' gradients (exec.codegen's
         # deliveries): a new sum (the base's gradient may be held elsewhere: the loss's) while
         # the group's own sum and the old gradient live (a shared parameter's sum, in_overhead,
