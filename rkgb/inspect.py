@@ -421,8 +421,13 @@ def split_by_output_layouts(graph: SimplifiedGraph, chain: Chain, layouts: dict[
 def _received_layouts(graph: SimplifiedGraph, chain: Chain,
                       received: dict[str, GradLayout]) -> dict[str, GradLayout]:
     """The real layout of the gradient of every block's input, from what the backward of its
-    class's representative gave (``received``, by the representative's tensor names)."""
+    class's representative gave (``received``, by the representative's tensor names). A model
+    output gets the loss's gradient first, whose layout the sum keeps (added into it, or ``old +
+    grad``): its layout stays the whole graph's (:func:`gradient_layouts`; fuzz seed 249: a
+    convolution's output, returned and read by a batch norm in the next block, measured with
+    the batch norm's transposed gradient, and its backward's copy of the sum not counted)."""
     out: dict[str, GradLayout] = {}
+    returned = set(graph.outputs)
     for block in chain.blocks:
         if block.input_node is None:
             continue
@@ -432,7 +437,7 @@ def _received_layouts(graph: SimplifiedGraph, chain: Chain,
         names = graph.exported(graph.node(block.input_node))
         twin_names = graph.exported(graph.node(twin.input_node))
         for name, twin_name in zip(names, twin_names):
-            if twin_name in received:
+            if twin_name in received and name not in returned:
                 out[name] = received[twin_name]
     return out
 

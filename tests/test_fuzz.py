@@ -648,3 +648,16 @@ def test_a_view_group_of_the_input_joins_its_gradient_at_the_views_place():
                       [1, 4], batch=3, seq=4, dim=8, dtype=torch.float32, input_requires_grad=True)
     for fraction in (1.0, 0.5):
         check_program(program, fraction)
+
+
+def test_a_returned_result_read_in_the_next_block_keeps_the_losss_gradient_layout():
+    """Fuzz seed 249 (side inputs, blocks of at most 3 nodes; failing the same at the
+    thirty-second session's start): a convolution's output, returned and read by a batch norm
+    in the next block, gets the loss's contiguous gradient first and the batch norm's transposed
+    one after: the sum is contiguous, and the convolution's backward copies it to its own
+    layout. Its block was measured with the batch norm's layout (the next block's backward's
+    received layout replaced the whole graph's), its backward 392 B above the plan at 100%."""
+    program = written([("transpose_tanh", [0]), ("scale", [1]), ("gate_write", [2]), ("positions_dropout", [3]),
+                       ("conv1d", [1]), ("batch_norm", [5])], [2, 5, 6], batch=3, seq=4, dim=8,
+                      dtype=torch.float32, input_requires_grad=True)
+    check_program(program, 1.0, max_block_nodes=3)
