@@ -307,12 +307,21 @@ class _Storages:
             if owned:
                 self.addable.add(self.storage[d][0])
             return 0
-        held = self.storage[d][0]
-        if self.holders[held] == 1 and (held in self.addable or held in self.whole):
+        if not self._sums_anew(d, self.storage[d][0]):
             return 0
         made = self._hold_new(d, 0)  # then the old one goes
         self.addable.add(self.storage[d][0])
         return made
+
+    def _sums_anew(self, d: str, held: int) -> bool:
+        """Whether a contribution joins ``d``'s storage ``held`` as a new tensor (``old + grad``):
+        where another holder keeps it, where it is shared (a slice of a bigger tensor, an alias),
+        or for a model input's gradient, unless the inspection saw a dense tensor of its own
+        there (else a view of a bigger tensor, an expanded one, or a group's sum); a group's one
+        tensor passed to several parts (``whole``) is the gradient's alone once the others are
+        gone: added into in place, as the executor's sink does."""
+        return self.holders[held] > 1 or (held in self.shared and held not in self.whole) or \
+            (d in self.first_run_sizes and held not in self.addable and held not in self.whole)
 
     def release_first_run(self, key: str) -> None:
         """The gradient of first-run ``key`` (accumulating) joins another and is freed."""
@@ -338,13 +347,7 @@ class _Storages:
         flushed = [entry for entry in self.pending if only is None or entry[0] == only]
         for d, i, storage in flushed:
             held = self.storage[d][i]
-            # shared: old + grad, a new tensor; so for a model input's gradient, unless the
-            # inspection saw a dense tensor of its own there (a view of a bigger tensor, an
-            # expanded one, or a group's sum, otherwise)
-            # (a group's one tensor, passed to several parts, is the gradient's alone once the others
-            # are gone: added into in place, as the executor's sink does)
-            if self.holders[held] > 1 or (held in self.shared and held not in self.whole) or \
-                    (d in self.first_run_sizes and held not in self.addable and held not in self.whole):
+            if self._sums_anew(d, held):
                 if self.holders[held] > 1:
                     lasting += self._part_size(d, i)
                 else:
@@ -585,7 +588,7 @@ def simulate(
         # what is delivered or freed where this node's backward starts (for a backward in the
         # engine call of the one before, a merged island's: after that call, exec.codegen)
         releasing: list = []
-        joining: list = []
+        view_sums: list = []  # (FirstRun entries of inputs' view groups)
         if released_by or deliveries or joins:
             if same_call and i in same_call:
                 held_back.append(node.name)
@@ -595,10 +598,10 @@ def simulate(
                         flushed = max(flushed, _contribute_deferred(storages, kept, waiting, deliveries.pop(name),
                                                                     first_runs))
                     releasing.extend(released_by.get(name, ()))
-                    joining.extend(joins.pop(name, ()))
+                    view_sums.extend(joins.pop(name, ()))
                 held_back.clear()
         # the sums of the inputs' view groups whose place this is join the inputs' gradients
-        for entry in joining:
+        for entry in view_sums:
             if entry.key in first_runs:
                 first_runs.discard(entry.key)
                 grad_key = input_grad_key(views_key_input(entry.key))
