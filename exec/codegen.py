@@ -135,8 +135,12 @@ class _Generator:
         markers: bool = False,
         aliased_parameters: set[str] | frozenset[str] = frozenset(),
         trained_parameters: set[str] | frozenset[str] = frozenset(),
+        released_outputs: set[str] | frozenset[str] = frozenset(),
     ) -> None:
         self.graph = graph
+        # nodes whose data the model returns and no backward reads: the user's tensors alone
+        # hold them once the forward returns (:func:`exec.runtime.outputs_to_release`)
+        self.released_outputs = set(released_outputs)
         # parameters with hooks: the islands read an alias (s.param_<name>) whose gradient the
         # compiled module returns whole, so that the hooks run once (exec.runtime)
         self.aliased_parameters = set(aliased_parameters)
@@ -845,7 +849,17 @@ class _Generator:
             if self.graph.owner.get(name) in self.infos and self.graph.owner[name] not in self.computed:
                 raise ScheduleError(f"output {name!r} is not computed before the loss")
         w(f"s.outputs = ({''.join(o + ', ' for o in outputs)})")
-        w("return tuple(output.detach() for output in s.outputs)")
+        if self.released_outputs:
+            w("returned = tuple(output.detach() for output in s.outputs)")
+            w.comment("outputs whose values no backward reads: from here the user's tensors alone hold them, as in")
+            w.comment("eager, where an output the user drops before the backward is freed")
+            for name in sorted(self.released_outputs):
+                w(f"unregister_data({name!r})")
+                for out in self.infos[name].exported:
+                    w(f"s.{out}.data = {self.placeholder(name, out)}")
+            w("return returned")
+        else:
+            w("return tuple(output.detach() for output in s.outputs)")
         forward_source = [head] + w.lines
 
         self.phase = "backward"
@@ -1042,6 +1056,7 @@ def generate(
     markers: bool = False,
     aliased_parameters: set[str] | frozenset[str] = frozenset(),
     trained_parameters: set[str] | frozenset[str] = frozenset(),
+    released_outputs: set[str] | frozenset[str] = frozenset(),
 ) -> GeneratedCode:
     """Generate, compile and register (in ``linecache``) the code of ``schedule``.
 
@@ -1052,13 +1067,15 @@ def generate(
     ``markers``: run each schedule operation ``i`` inside ``mark("rockmate:op:<i>")`` (a
     ``torch.profiler.record_function``), for :mod:`exec.timeline`. ``aliased_parameters``: those
     read through an alias of their own (hooks); ``trained_parameters``: those that require grad.
+    ``released_outputs``: nodes whose data the model returns and the backward phase never reads;
+    the forward lets go of them as it returns (the user's tensors hold them from there).
 
     Raises:
         ScheduleError: the schedule names an unknown node, or runs a backward without an
             autograd graph.
     """
     generator = _Generator(graph, schedule, infos, input_requires_grad, torch.device(device), merged, markers,
-                           aliased_parameters, trained_parameters)
+                           aliased_parameters, trained_parameters, released_outputs)
     source = generator.generate()
     filename = _fresh_filename()
     namespace = dict(generator.globals)

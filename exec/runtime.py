@@ -247,6 +247,20 @@ def _outputs_read_by_backward(graph: SimplifiedGraph, schedule: Schedule, cdgrap
     """Indices of the user outputs whose values a backward or recomputation of ``schedule``
     reads (after its loss), or may read (an output that is not a node's data: a model input, a
     buffer); None, all of them, without a CD-graph."""
+    read = _data_read_after_loss(schedule, cdgraph)
+    if read is None:
+        return None
+    indices = set()
+    for i, name in enumerate(graph.outputs):
+        data = data_name(graph.owner.get(name, name), DataKind.DATA)
+        if data in read or not cdgraph.has_data(data):
+            indices.add(i)
+    return frozenset(indices)
+
+
+def _data_read_after_loss(schedule: Schedule, cdgraph) -> set[str] | None:
+    """The data nodes that the computations after the loss of ``schedule`` read (backwards and
+    recomputations); None without a CD-graph with a loss."""
     if cdgraph is None or not cdgraph.has_compute(LOSS_NAME):
         return None
     after_loss, read = False, set()
@@ -257,12 +271,31 @@ def _outputs_read_by_backward(graph: SimplifiedGraph, schedule: Schedule, cdgrap
             after_loss = True
         elif after_loss and cdgraph.has_compute(op.node):
             read.update(cdgraph.compute(op.node).needs)
-    indices = set()
-    for i, name in enumerate(graph.outputs):
-        data = data_name(graph.owner.get(name, name), DataKind.DATA)
-        if data in read or not cdgraph.has_data(data):
-            indices.add(i)
-    return frozenset(indices)
+    return read
+
+
+def outputs_to_release(graph: SimplifiedGraph, schedule: Schedule, cdgraph, infos) -> frozenset[str]:
+    """The nodes whose data the model returns (as the node's own tensors, not views of them) and
+    no computation after the loss reads: the forward lets go of them as it returns.
+
+    Eager frees such an output when the user drops it (a training loop that keeps only the loss,
+    as transformers' ``Trainer`` does with the logits); held by the step's state, it would stay
+    to the end of the backward. The plan still counts it alive through the step (the user may
+    hold it: ``solvers.simulate``'s ``keep_outputs``); released, it is freed where the user lets go.
+    """
+    read = _data_read_after_loss(schedule, cdgraph)
+    if read is None:
+        return frozenset()
+    returned: dict[str, set[str]] = {}
+    for name in graph.outputs:
+        returned.setdefault(graph.owner.get(name, name), set()).add(name)
+    released = set()
+    for node, names in returned.items():
+        data = data_name(node, DataKind.DATA)
+        if node in infos and cdgraph.has_data(data) and data not in read \
+                and names <= set(infos[node].exported):
+            released.add(node)
+    return frozenset(released)
 
 
 def _warn_if_shared(grads: list[torch.Tensor | None]) -> None:
@@ -408,6 +441,7 @@ class _Runner:
             aliased_parameters=aliased,
             trained_parameters={name for (name, _, _), flag in zip(module._parameter_refs, parameter_requires_grad)
                                 if flag},
+            released_outputs=outputs_to_release(graph, module.schedule, module.cdgraph, self.infos),
         )
         self.module = module
 

@@ -351,10 +351,16 @@ def test_gradient_accumulation_is_exact(name):
     # the sum of a shared parameter's contributions, built apart while .grad holds values
     assert parameter_sums(compiled.plan.first_run_bytes), "the plan counts the shared parameters' sums"
     peaks = []
+
+    def step_holding_the_outputs():  # as the plan counts them (a loop that drops them frees them sooner)
+        outputs = module(*sample)
+        loss(outputs).backward()
+        return outputs
+
     for module in (reference, compiled):
         torch.manual_seed(0)
         for step in range(STEPS):
-            peak = measure_allocator_peak(lambda: loss(module(*sample)).backward())
+            peak = measure_allocator_peak(step_holding_the_outputs)
             if module is compiled and step > 0:  # .grad holds values: the sums are built apart
                 peaks.append(peak)
     for (path, a), b in zip(reference.named_parameters(), model.parameters()):
@@ -510,3 +516,50 @@ def test_a_build_freezes_older_objects_and_leaves_the_collector_as_it_was(monkey
         assert 0 < seen[-1] <= frozen and 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
+
+
+class _LanguageModel(torch.nn.Module):
+    """Returns its loss and its logits, as a transformers model called with labels does."""
+
+    def __init__(self, dim: int = 32, vocab: int = 128) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab, dim)
+        self.hidden = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.hidden(self.embedding(ids))))
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return loss, logits
+
+
+def test_a_returned_result_that_the_user_drops_is_freed_as_in_eager():
+    """A training loop that keeps the loss alone (transformers' Trainer: the logits dropped before
+    the backward): eager frees the logits there, whose values the backward does not read; so does
+    the compiled module, whose forward lets go of them as it returns (before, it held them to the
+    end of the backward: one logits-sized tensor above eager's peak). A loop that holds them is
+    within the plan, which counts them held."""
+    torch.manual_seed(0)
+    model = _LanguageModel()
+    ids, labels = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    reference = copy.deepcopy(model)
+    # (the plan without recomputation frees each tensor after its last use, as eager does)
+    compiled = Rockmate(model, (ids, labels), 10**9, solver="none", cost_model="flops")
+    logits_bytes = 2 * 16 * 128 * 4
+    peaks = {}
+    for name, module in (("eager", reference), ("compiled", compiled)):
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+        peaks[name] = [measure_allocator_peak(lambda: module(ids, labels)[0].backward()) for _ in range(2)]
+
+        def holding():
+            outputs = module(ids, labels)
+            outputs[0].backward()
+            return outputs
+
+        peaks[name + " holding"] = measure_allocator_peak(holding)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert peaks["compiled"] == peaks["eager"], peaks
+    assert peaks["compiled holding"] == peaks["eager holding"] >= peaks["eager"][0] + logits_bytes, peaks
+    assert peaks["compiled holding"] <= compiled.plan.predicted_peak, (peaks, compiled.plan.predicted_peak)
