@@ -6,6 +6,7 @@ import hashlib
 import operator
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 from torch import nn
@@ -127,7 +128,9 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
     for name in boundary:
         _drop_lasting_aliases(backwards, dname(name, G))
     output_data = [dname(o, D) for o in measure.outputs]
-    output_grads = [dname(o, G) for o in measure.outputs if o in grad_exists]
+    # (an output whose gradient comes from no part outside the block: a model output that the
+    # user's loss gives none, read by no later block, rkgb.inspect)
+    output_grads = [dname(o, G) for o in measure.outputs if o in grad_exists and measure.output_parts.get(o) != []]
     for name in boundary:
         if any(dname(name, G) in b.produces for b in backwards):
             input_grads.append(dname(name, G))
@@ -141,7 +144,7 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
         produces=list(output_grads),
         # the parts that come from after the block (a view that only the block's own nodes read
         # gets its gradient from them)
-        contributes={dname(o, G): tuple(parts) for o, parts in measure.output_parts.items() if o in grad_exists},
+        contributes={dname(o, G): tuple(parts) for o, parts in measure.output_parts.items() if o in grad_exists and parts},
         # the user's loss makes the outputs' gradients: a view of its own result (a reshape's
         # backward) is not added into in place, so none is taken to be
         shared={g.name: tuple(range(len(g.part_sizes))) for g in data if g.name in output_grads},
@@ -503,7 +506,8 @@ def _loss_contributions(simplified: SimplifiedGraph, real: str, needs) -> tuple[
     :func:`_repeated_outputs_transient`), none for a part only nodes read; None where that is
     one per part."""
     parts = [name for name in simplified.exported(simplified.node(real)) if needs[real].exported.get(name, False)]
-    contributions = tuple(i for i, name in enumerate(parts) if name in simplified.outputs)
+    returned = set(simplified.gradient_outputs)
+    contributions = tuple(i for i, name in enumerate(parts) if name in returned)
     return None if contributions == tuple(range(len(parts))) else contributions
 
 
@@ -516,7 +520,8 @@ def _repeated_outputs_transient(simplified: SimplifiedGraph, needs, global_requi
     into in place), the next and their sum are held at once, before the sum alone is handed
     over. Two tensors of the largest such output beyond its gradient (sums are made one at a
     time)."""
-    repeated = {name for name in simplified.outputs if simplified.outputs.count(name) > 1}
+    returned = simplified.gradient_outputs
+    repeated = {name for name in returned if returned.count(name) > 1}
     largest = 0
     for line in simplified.captured.graph.nodes:
         if line.name not in repeated:
@@ -577,22 +582,24 @@ def _arguments(node: torch.fx.Node) -> str:
     return repr(node.args)
 
 
-def layouts_key(captured: CapturedGraph, device: torch.device) -> str:
+def layouts_key(captured: CapturedGraph, device: torch.device, without_gradient=frozenset()) -> str:
     """The key of a build's gradient layouts (:func:`rkgb.inspect.gradient_layouts`, two fake
     forward and backward passes: 1.9 s of a second build of a 12-layer Llama of GPT-2 small's
     width) in :class:`rkgb.disk_cache.MeasureCache`: the captured graph, node by node (the
-    simplified graph is made from it), the device, torch's version (the ops' meta functions)
-    and the graph builder's source."""
-    content = repr(("gradient layouts", source_digest(), torch.__version__, str(device), _graph_lines(captured)))
+    simplified graph is made from it), the outputs that the user's loss gives no gradient, the
+    device, torch's version (the ops' meta functions) and the graph builder's source."""
+    content = repr(("gradient layouts", source_digest(), torch.__version__, str(device), _graph_lines(captured),
+                    sorted(without_gradient)))
     return hashlib.sha256(content.encode()).hexdigest()
 
 
 def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str, bool], layouts, device: torch.device,
-                 cost_model: str, repeats: int) -> str:
+                 cost_model: str, repeats: int, without_gradient=frozenset()) -> str:
     """The key of a build's measures in :class:`rkgb.disk_cache.MeasureCache`: what they depend
     on. The captured graph, node by node (its op, arguments, and its value's shape, strides,
     dtype, device and ``requires_grad``), which globals require grad, the chain of blocks and
-    classes, the gradient layouts, the device (with a GPU's name), torch's version, the settings
+    classes, the gradient layouts, the outputs that the user's loss gives no gradient, the device
+    (with a GPU's name), torch's version, the settings
     that choose kernels (threads, deterministic algorithms, cuDNN, TF32: their scratch memory
     and times), the cost model and the graph builder's own source
     (:func:`rkgb.disk_cache.source_digest`). Not the values of tensors: no measure depends on
@@ -605,7 +612,8 @@ def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str,
                torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
                torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
     content = repr((source_digest(), torch.__version__, str(device), gpu, kernels, cost_model, repeats, lines,
-                    sorted(requires_grad.items()), blocks, sorted((k, repr(v)) for k, v in layouts.items())))
+                    sorted(requires_grad.items()), blocks, sorted((k, repr(v)) for k, v in layouts.items()),
+                    sorted(without_gradient)))
     return hashlib.sha256(content.encode()).hexdigest()
 
 
@@ -620,7 +628,8 @@ def _with_classes(chain: Chain, classes_of_blocks: list[int]) -> Chain:
 
 
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3,
-          grad_accumulation: bool = True, max_block_nodes: int | None = 40, measure_cache=None) -> ModelGraphs:
+          grad_accumulation: bool = True, max_block_nodes: int | None = 40, measure_cache=None,
+          loss_index: Callable[[CapturedGraph], int | None] | None = None) -> ModelGraphs:
     """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
 
     Args:
@@ -633,6 +642,9 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
         max_block_nodes: split bigger blocks with side inputs (:func:`rkgb.blocks.cut_chain`).
         measure_cache: a :class:`rkgb.disk_cache.MeasureCache`: the measures of a build with the
             same :func:`measures_key` are read from it instead of measured (None: measure).
+        loss_index: asked once the model is captured, the index among its outputs of the loss it
+            returns, from which alone the step's backward runs (None: the user's loss gives every
+            output a gradient); None: every output gets one.
     """
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -640,19 +652,28 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     seconds["capture"] = time.perf_counter() - clock
     clock = time.perf_counter()
     simplified = simplify(captured)
+    index = None if loss_index is None else loss_index(captured)
+    if index is not None:
+        loss_name = simplified.outputs[index]
+        simplified.outputs_without_gradient = frozenset(name for name in simplified.outputs if name != loss_name)
     # which tensors a backward from the outputs reaches (and the layouts of their gradients)
 
     def find_layouts() -> list:
         receivers: set[str] = set()
-        return [gradient_layouts(simplified, model, sample, receivers), receivers]
+        unreached: set[str] = set()
+        return [gradient_layouts(simplified, model, sample, receivers, unreached), receivers, unreached]
 
     device = device_of(model, as_input_tuple(sample))
     if measure_cache is None:
-        layouts, receivers = find_layouts()
+        layouts, receivers, unreached = find_layouts()
     else:
-        key = layouts_key(captured, device)
-        layouts, receivers = measure_cache.get_or_compute(key, find_layouts)
+        key = layouts_key(captured, device, simplified.outputs_without_gradient)
+        layouts, receivers, unreached = measure_cache.get_or_compute(key, find_layouts)
     simplified.gradient_receivers = None if layouts is None else receivers
+    # an output that the loss's backward does not reach is taken to get a gradient from the user
+    # (its backward would not run otherwise); all of them where the layouts are not known
+    simplified.outputs_without_gradient = frozenset() if layouts is None else \
+        simplified.outputs_without_gradient - unreached
     requires_grad = global_requires_grad(simplified, model, sample)
     needs = gradient_needs(simplified, requires_grad)
     chain = cut_chain(simplified, needs, max_block_nodes)
@@ -670,7 +691,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     if measure_cache is None:
         classes_of_blocks, measures = measure()
     else:
-        key = measures_key(captured, chain, requires_grad, layouts or {}, device, cost_model, repeats)
+        key = measures_key(captured, chain, requires_grad, layouts or {}, device, cost_model, repeats,
+                           simplified.outputs_without_gradient)
         hits = measure_cache.hits
         classes_of_blocks, measures = measure_cache.get_or_compute(key, measure)
         from_cache = measure_cache.hits > hits
@@ -684,8 +706,12 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     instances = [BlockInstance(b.index, b.class_index, b.anonymous_names()) for b in chain.blocks]
     last_nodes = set(chain.blocks[-1].nodes) if chain.blocks else set()
     early = [name for name in simplified.output_owners if name not in last_nodes]
+    # (those that the user's loss gives no gradient get theirs from the next blocks alone)
+    graded = {simplified.owner.get(name, name) for name in simplified.gradient_outputs}
     model_chain = ModelChain(classes=classes, blocks=instances, held_bytes=held_bytes(simplified, model),
                              early_outputs=[dname(name, DataKind.DATA) for name in early],
+                             early_without_gradient=[dname(name, DataKind.DATA) for name in early
+                                                     if name not in graded],
                              early_contributions=_early_output_contributions(simplified, early, needs))
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}
     entries = first_run_bytes(simplified, model, sample, grad_accumulation, needs)

@@ -544,6 +544,8 @@ class ModelChain:
     # their gradients -> the loss's contributions to their parts, where not one per part (an
     # output returned twice gets two gradients, which the executor adds)
     early_contributions: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # those of them that the loss gives no gradient (``rkgb.simplify.SimplifiedGraph.outputs_without_gradient``)
+    early_without_gradient: list[str] = field(default_factory=list)
     # whole_graph's graph and what it was made from (the planner asks for it 5-6 times a build:
     # 76 ms each on a 24-layer Llama, 52 blocks)
     _whole: tuple[tuple, "CDGraph"] | None = field(default=None, init=False, repr=False, compare=False)
@@ -607,7 +609,8 @@ class ModelChain:
         replaced (a graph read, not modified, by its callers).
         """
         made_from = (tuple(map(id, self.classes)), tuple((b.class_index, id(b.names)) for b in self.blocks),
-                     tuple(self.early_outputs), tuple(self.early_contributions.items()))
+                     tuple(self.early_outputs), tuple(self.early_contributions.items()),
+                     tuple(self.early_without_gradient))
         if self._whole is None or self._whole[0] != made_from:
             self._whole = (made_from, self._whole_graph())
         return self._whole[1]
@@ -631,7 +634,8 @@ class ModelChain:
                 data[d.name] = _larger(data[d.name], d) if d.name in data else d
         last = graphs[-1]
         output_data = list(self.early_outputs) + list(last.output_data)
-        early_grads = [data_name(data[d].target, DataKind.GRAD) for d in self.early_outputs]
+        early_grads = [data_name(data[d].target, DataKind.GRAD) for d in self.early_outputs
+                       if d not in self.early_without_gradient]
         output_grads = [g for g in early_grads if g in data] + list(last.output_grads)
         loss = dataclasses.replace(
             last.loss, needs=output_data, produces=output_grads,

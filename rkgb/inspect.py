@@ -427,7 +427,7 @@ def _received_layouts(graph: SimplifiedGraph, chain: Chain,
     convolution's output, returned and read by a batch norm in the next block, measured with
     the batch norm's transposed gradient, and its backward's copy of the sum not counted)."""
     out: dict[str, GradLayout] = {}
-    returned = set(graph.outputs)
+    returned = set(graph.gradient_outputs)
     for block in chain.blocks:
         if block.input_node is None:
             continue
@@ -720,7 +720,7 @@ def _held_bytes(leaf: torch.Tensor, layout: GradLayout | None) -> int:
 
 
 def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample,
-                     receivers: set[str] | None = None) -> dict[str, GradLayout] | None:
+                     receivers: set[str] | None = None, unreached: set[str] | None = None) -> dict[str, GradLayout] | None:
     """The layout (:class:`GradLayout`) of the gradient of every exported tensor in eager
     PyTorch's backward.
 
@@ -736,13 +736,17 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample,
     output, or a tensor another node reads and passes a gradient back to), not only through a
     view made in the node (``SimplifiedGraph.gradient_receivers``): each read by another node
     goes through an ``alias`` that tells. None if the fake run fails (an op without a meta
-    function).
+    function). The backward runs from the outputs that the user's loss gives a gradient
+    (``graph.gradient_outputs``); ``unreached`` (filled when given) gets the other outputs that
+    it does not reach: a gradient the user gives them has no backward but theirs, which a plan
+    counting none for them would not run, so they are taken to get one (a second backward
+    from them here).
     """
     try:
         # (the reads' aliases pass each gradient on as it is: the layouts are those of a run
         # without them, checked on every graph of the test suite when they were two runs)
         found: set[str] | None = None if receivers is None else set()
-        grads = _fake_backward(graph, model, sample, found)
+        grads = _fake_backward(graph, model, sample, found, unreached)
         record: dict[str, GradLayout] = {}
         for node in graph.nodes:
             record.update(node_layouts([(n, grads[n]) for n in graph.exported(node) if n in grads]))
@@ -754,12 +758,15 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample,
     return record
 
 
-def _fake_backward(graph: SimplifiedGraph, model: nn.Module, sample, from_readers: set[str] | None = None):
+def _fake_backward(graph: SimplifiedGraph, model: nn.Module, sample, from_readers: set[str] | None = None,
+                   unreached: set[str] | None = None):
     """One forward and backward of ``graph`` on fake tensors; returns the gradient of every
     exported tensor that gets one (kept to the end: their storages told apart). With
     ``from_readers``, each read of another node's tensor goes through an ``alias`` whose hook
     adds the tensor's name there when a gradient comes back from that read (the model's outputs
-    are added too)."""
+    are added too). The backward runs from the outputs that the loss gives a gradient, then from
+    those of the others that it did not reach (``unreached``, filled when given), whose first
+    gradient is kept where both reach."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     grads: dict[str, torch.Tensor] = {}
@@ -794,15 +801,23 @@ def _fake_backward(graph: SimplifiedGraph, model: nn.Module, sample, from_reader
             for name in graph.exported(node):
                 value = fake[name]
                 if isinstance(value, torch.Tensor) and value.requires_grad:
-                    value.register_hook(lambda g, name=name: grads.__setitem__(name, g))
+                    value.register_hook(lambda g, name=name: grads.setdefault(name, g))
         outputs = [n for n in graph.outputs if isinstance(fake.get(n), torch.Tensor) and fake[n].requires_grad]
         if from_readers is not None:
+            # (every output may receive one: the executor's leaves let a loss that reads them pass it on)
             from_readers.update(outputs)
-        if outputs:
-            # a loss's gradient is contiguous whatever the output's layout (a reshape of
-            # it, cross-entropy's): a transposed output's backward gets a contiguous one
-            ones = [torch.ones(fake[n].shape, dtype=fake[n].dtype, device=fake[n].device) for n in outputs]
-            torch.autograd.backward([fake[n] for n in outputs], ones)
+        others = [n for n in outputs if n in graph.outputs_without_gradient]
+        outputs = [n for n in outputs if n not in graph.outputs_without_gradient]
+        for roots in (outputs, others):
+            if roots is others:
+                roots = list(dict.fromkeys(n for n in others if n not in grads))
+                if unreached is not None:
+                    unreached.update(roots)
+            if roots:
+                # a loss's gradient is contiguous whatever the output's layout (a reshape of
+                # it, cross-entropy's): a transposed output's backward gets a contiguous one
+                ones = [torch.ones(fake[n].shape, dtype=fake[n].dtype, device=fake[n].device) for n in roots]
+                torch.autograd.backward([fake[n] for n in roots], ones, retain_graph=roots is outputs)
     return grads
 
 
@@ -1216,12 +1231,14 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
         # block reads or the model returns (a view read only inside the block gets its
         # gradient from its readers there, as in the executor)
         outside = {arg.name for node in graph.nodes if node.name not in block.nodes
-                   for line in node.lines for arg in line.all_input_nodes} | set(graph.outputs)
+                   for line in node.lines for arg in line.all_input_nodes} | set(graph.gradient_outputs)
         output_parts: dict[str, list[int]] = {}
         for name in block.output_nodes:
             names = grad_names.get(name, [])
             given = [i for i, fx_name in enumerate(names) if fx_name in outside]
-            if given and len(given) < len(names):
+            if not given and any(fx_name in graph.outputs_without_gradient for fx_name in names):
+                output_parts[anonymous[name]] = []  # returned, but the loss gives it no gradient
+            elif given and len(given) < len(names):
                 output_parts[anonymous[name]] = given
             else:
                 given = list(range(len(names)))

@@ -195,9 +195,18 @@ class SimplifiedGraph:
     # -> the buffer's placeholder, which the nodes read for it; and the lines that compute them
     updated_first: dict[str, str] = field(default_factory=dict)
     buffer_updates_first: list[torch.fx.Node] = field(default_factory=list)
+    # outputs that the user's loss gives no gradient: where the model returns its own loss, the
+    # others (``rockmate.BuildOptions.output_gradients``); their gradients come from the nodes
+    # that read them, if any
+    outputs_without_gradient: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self._by_name = {node.name: node for node in self.nodes}
+
+    @property
+    def gradient_outputs(self) -> list[str]:
+        """The outputs that the user's loss gives a gradient (with their repeats, in order)."""
+        return [name for name in self.outputs if name not in self.outputs_without_gradient]
 
     def updates_written_at_once(self, node: SimplifiedNode) -> set[str]:
         """The lines of ``node`` whose values are new values of buffers that the step writes as

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from exec import CompiledModule
 from exec.timeline import Timeline, measure_timeline
 from rkgb.build import ModelGraphs, build
+from rkgb.capture import CapturedGraph
 from rkgb.cdgraph import ComputeKind
 from rkgb.disk_cache import MeasureCache
 from rkgb.errors import describe_fx_node
@@ -39,7 +40,7 @@ from solvers.schedule import Plan
 from .budget import budget_fraction, format_bytes, parse_budget
 from .errors import InfeasibleBudget
 from .model_state import ModelState
-from .signature import CallSignature, FlatModel, split_sample
+from .signature import CallSignature, FlatModel, is_loss_entry, split_sample
 
 __all__ = ["Rockmate", "min_budget", "BuildOptions"]
 
@@ -59,12 +60,27 @@ class BuildOptions:
     ``max_block_nodes``: blocks bigger than this are split where a tensor that many of their
     layers read (an encoder's output, a position bias) is all that joins them, by making it a
     side input (``rkgb.blocks``); None keeps the blocks that 1-separators alone give.
+    ``output_gradients``: which of the model's outputs the plan counts a gradient from the user's
+    loss for. ``"auto"``: where the model returns its own loss (the entry ``loss`` of a dict or a
+    ``ModelOutput``, as transformers' models called with labels do), the training step is the
+    backward from that loss alone, as ``outputs.loss.backward()`` runs it, and the other outputs
+    (the logits) get none where the loss's backward reaches them: a loss that also reads them is
+    warned about at its backward (its gradients are exact, its memory may go over the plan); an
+    output that the loss's backward does not reach counts one all the same (its backward runs
+    for it alone). Otherwise every output. ``"all"``: every output that requires grad, whatever
+    the model returns.
     """
 
     cost_model: str = "measured"
     repeats: int = 3
     grad_accumulation: bool = True
     max_block_nodes: int | None = 40
+    output_gradients: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.output_gradients not in ("auto", "all"):
+            raise ValueError(f"output_gradients={self.output_gradients!r}: 'auto' (the model's own loss alone, "
+                             "where it returns one) or 'all' (every output)")
 
 
 def _older_objects_frozen(function):
@@ -93,7 +109,7 @@ def _older_objects_frozen(function):
 
 
 def _split_options(options: dict) -> tuple[BuildOptions, dict]:
-    build_keys = {"cost_model", "repeats", "grad_accumulation", "max_block_nodes"}
+    build_keys = {"cost_model", "repeats", "grad_accumulation", "max_block_nodes", "output_gradients"}
     build_options = BuildOptions(**{k: v for k, v in options.items() if k in build_keys})
     return build_options, {k: v for k, v in options.items() if k not in build_keys}
 
@@ -123,10 +139,33 @@ def _measure_cache() -> MeasureCache | None:
 
 
 def _build_graphs(model: nn.Module, sample, build_options: BuildOptions) -> ModelGraphs:
+    loss_index = None
+    if build_options.output_gradients == "auto":
+        def loss_index(captured: CapturedGraph) -> int | None:
+            return _model_loss_index(captured, model)
     with _train_mode(model):
         return build(model, sample, cost_model=build_options.cost_model, repeats=build_options.repeats,
                      grad_accumulation=build_options.grad_accumulation,
-                     max_block_nodes=build_options.max_block_nodes, measure_cache=_measure_cache())
+                     max_block_nodes=build_options.max_block_nodes, measure_cache=_measure_cache(),
+                     loss_index=loss_index)
+
+
+def _model_loss_index(captured: CapturedGraph, model: nn.Module) -> int | None:
+    """The index among the model's outputs of the loss it returns (:attr:`CallSignature.loss_index`),
+    or None: the model's output structure, from the call's signature for a model called with
+    keywords (:class:`FlatModel`), else from the capture's."""
+    if isinstance(model, FlatModel):
+        return model.signature.loss_index
+    spec = captured.out_spec
+    if spec is None:
+        return None
+    paths = [path for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]]
+    nodes = {node.name: node for node in captured.graph.nodes}
+    for index, (path, name) in enumerate(zip(paths, captured.user_outputs)):
+        value = nodes[name].meta.get("val") if name in nodes else None
+        if isinstance(value, torch.Tensor) and is_loss_entry(path, value):
+            return index
+    return None
 
 
 class Rockmate(nn.Module):
@@ -151,8 +190,9 @@ class Rockmate(nn.Module):
             gave: a last smaller batch fits where its own fraction may not).
         solver: ``"rockmate"`` (default), ``"rotor"``, ``"checkmate"`` (whole graph, small
             models), ``"none"`` (no recomputation), or a solver object.
-        **options: ``cost_model``, ``repeats``, ``grad_accumulation`` and ``max_block_nodes``
-            for the graph builder (:class:`BuildOptions`); the rest go to the solver (e.g. ``slots``, ``time_limit_s``).
+        **options: ``cost_model``, ``repeats``, ``grad_accumulation``, ``max_block_nodes`` and
+            ``output_gradients`` for the graph builder (:class:`BuildOptions`); the rest go to the
+            solver (e.g. ``slots``, ``time_limit_s``).
 
     Attributes:
         plan: the :class:`solvers.schedule.Plan` (``budget``, ``predicted_peak``,

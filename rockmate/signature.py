@@ -57,6 +57,16 @@ def _shape_of_call(args: tuple, kwargs: dict) -> str:
     return f"{len(args)} positional argument(s) and the keywords {sorted(kwargs)}"
 
 
+def is_loss_entry(path: tuple, leaf: torch.Tensor) -> bool:
+    """Whether the output's leaf at ``path`` is the model's own loss: the entry ``loss`` of the
+    returned dict or ``ModelOutput`` (transformers' models called with labels), a scalar of a
+    floating dtype."""
+    if len(path) != 1 or leaf.dim() != 0 or not leaf.is_floating_point():
+        return False
+    key = path[0]
+    return getattr(key, "key", getattr(key, "name", None)) == "loss"
+
+
 @dataclass
 class CallSignature:
     """The structure of the sample's call and of the model's output.
@@ -72,6 +82,9 @@ class CallSignature:
     paths: list[str]
     tensor_positions: list[int]
     out_spec: pytree.TreeSpec | None = None
+    # the index among the output's leaves of the model's own loss (``loss`` of a dict or a
+    # ``ModelOutput``: a scalar of a floating dtype), set with ``out_spec``; None: none returned
+    loss_index: int | None = None
 
     @classmethod
     def of(cls, args: tuple, kwargs: dict) -> "CallSignature":
@@ -121,7 +134,8 @@ class CallSignature:
         return pytree.tree_unflatten(leaves, self.in_spec)
 
     def flatten_output(self, output) -> tuple[torch.Tensor, ...]:
-        leaves, spec = pytree.tree_flatten(output)
+        flat, spec = pytree.tree_flatten_with_path(output)
+        leaves = [leaf for _, leaf in flat]
         if any(not isinstance(leaf, torch.Tensor) for leaf in leaves):
             kinds = sorted({type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)})
             hint = ""
@@ -132,6 +146,7 @@ class CallSignature:
                             f"Rockmate supports tensors in any nesting of tuples, lists, dicts and ModelOutputs"
                             f"{hint}")
         self.out_spec = spec
+        self.loss_index = next((i for i, (path, leaf) in enumerate(flat) if is_loss_entry(path, leaf)), None)
         return tuple(leaves)
 
     def unflatten_output(self, outputs):

@@ -563,3 +563,61 @@ def test_a_returned_result_that_the_user_drops_is_freed_as_in_eager():
     assert peaks["compiled"] == peaks["eager"], peaks
     assert peaks["compiled holding"] == peaks["eager holding"] >= peaks["eager"][0] + logits_bytes, peaks
     assert peaks["compiled holding"] <= compiled.plan.predicted_peak, (peaks, compiled.plan.predicted_peak)
+
+
+class _LanguageModelOutput(_LanguageModel):
+    """Returns ``{"loss": ..., "logits": ...}``, as a transformers model called with labels does."""
+
+    def forward(self, ids, labels):
+        loss, logits = super().forward(ids, labels)
+        return {"loss": loss, "logits": logits}
+
+
+def test_a_model_that_returns_its_loss_is_planned_for_a_backward_from_that_loss():
+    """The model returns its loss (a dict's ``loss``): the plan counts no gradient from the user for
+    the logits (``output_gradients="auto"``), whose gradient comes from the loss's backward alone
+    as in ``outputs["loss"].backward()``: its prediction is the allocator's peak of a loop that holds
+    the outputs, where counting one (``"all"``) predicted a logits-sized tensor more. A loss that
+    also reads the logits gets exact gradients and a warning that the plan did not count them."""
+    torch.manual_seed(0)
+    model = _LanguageModelOutput()
+    call = {"ids": torch.randint(0, 128, (2, 16)), "labels": torch.randint(0, 128, (2, 16))}
+    logits_bytes = 2 * 16 * 128 * 4
+    reference = copy.deepcopy(model)
+    compiled = Rockmate(model, call, 10**9, solver="none", cost_model="flops")
+    every = Rockmate(copy.deepcopy(model), call, 10**9, solver="none", cost_model="flops", output_gradients="all")
+    assert every.plan.predicted_peak == compiled.plan.predicted_peak + logits_bytes
+    # called with positional inputs (the capture's own output structure): the same
+    positional = Rockmate(copy.deepcopy(model), (call["ids"], call["labels"]), 10**9, solver="none", cost_model="flops")
+    assert positional.plan.predicted_peak == compiled.plan.predicted_peak
+
+    def holding(module):
+        def step():
+            outputs = module(**call)
+            outputs["loss"].backward()
+            return outputs
+        return step
+
+    for module in (reference, compiled):
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+    eager = measure_allocator_peak(holding(reference))
+    measured = measure_allocator_peak(holding(compiled))
+    assert measured == eager <= compiled.plan.predicted_peak + LOSS_BYTES, (measured, eager, compiled.plan.predicted_peak)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    for module in (reference, compiled):
+        for p in module.parameters():
+            p.grad = None
+        torch.manual_seed(0)
+        outputs = module(**call)
+        if module is compiled:
+            with pytest.warns(UserWarning, match=r"gave a gradient to output 1 \('linear_1', 16384 B\) besides the "
+                                                 r"model's own loss.*output_gradients='all'"):
+                (outputs["loss"] + 1e-3 * outputs["logits"].square().sum()).backward()
+        else:
+            (outputs["loss"] + 1e-3 * outputs["logits"].square().sum()).backward()
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    with pytest.raises(ValueError, match="output_gradients='some'"):
+        Rockmate(copy.deepcopy(model), call, 10**9, output_gradients="some")
