@@ -45,8 +45,13 @@ def main() -> None:
     parser.add_argument("--max-block-nodes", type=int, default=None,
                         help="split blocks bigger than this with side inputs (rkgb.blocks; small: side "
                              "inputs on most programs); default: Rockmate's")
+    parser.add_argument("--loss-inside", action="store_true",
+                        help="the models return their own loss ({'loss': ..., 'outputs': ...}, as transformers' "
+                             "models called with labels), the step's backward from it alone")
     args = parser.parse_args()
     extra = {} if args.max_block_nodes is None else {"max_block_nodes": args.max_block_nodes}
+    if args.loss_inside:
+        extra["loss_inside"] = True
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     outcomes: collections.Counter = collections.Counter()

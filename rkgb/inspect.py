@@ -806,6 +806,10 @@ def _fake_backward(graph: SimplifiedGraph, model: nn.Module, sample, from_reader
         if from_readers is not None:
             # (every output may receive one: the executor's leaves let a loss that reads them pass it on)
             from_readers.update(outputs)
+        exported = {name for node in graph.nodes for name in graph.exported(node)}
+        for n in dict.fromkeys(outputs):
+            if n not in exported:  # a model input (or a view of one) returned: reached too?
+                fake[n].register_hook(lambda g, name=n: grads.setdefault(name, g))
         others = [n for n in outputs if n in graph.outputs_without_gradient]
         outputs = [n for n in outputs if n not in graph.outputs_without_gradient]
         for roots in (outputs, others):

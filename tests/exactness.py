@@ -54,7 +54,14 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _flat(outputs) -> tuple:
+    if isinstance(outputs, dict):  # a model that returns {"loss": ..., ...}: its tensors, in order
+        return tuple(torch.utils._pytree.tree_leaves(outputs))
     return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def model_loss(outputs) -> torch.Tensor:
+    """The loss a model returns (``outputs["loss"]``): the step's backward is from it alone."""
+    return outputs["loss"]
 
 
 class DotLoss:
@@ -148,7 +155,7 @@ def _train(module, params, sample, loss, steps: int, seed: int):
 
 
 def check_training(model, sample, fraction: float, solver: str = "rockmate", *, steps: int = 3,
-                   at_minimum: bool = True, tolerance: float = 0.03, **options) -> CheckReport | None:
+                   at_minimum: bool = True, tolerance: float = 0.03, loss=None, **options) -> CheckReport | None:
     """Train ``model`` compiled at ``fraction`` of eager's allocator peak next to an eager copy.
 
     Asserts bitwise equal outputs, parameter and input gradients and buffers at each step,
@@ -156,7 +163,9 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
     aside) and within ``tolerance`` under the plan's prediction. Below the solver's minimum,
     the error must give that minimum; with ``at_minimum`` the check runs again at it (the
     tightest plan: the hardest case), otherwise returns None. ``options`` go to ``Rockmate``
-    (``cost_model="flops"`` by default: deterministic plans).
+    (``cost_model="flops"`` by default: deterministic plans). ``loss``: the step's loss of the
+    outputs (default: a :class:`DotLoss` of every output; :func:`model_loss` for a model that
+    returns its own).
     """
     from rockmate import InfeasibleBudget, Rockmate
 
@@ -169,8 +178,11 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
     device = _device_of(sample)
     with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         probe = copy.deepcopy(model)(*sample)
-    loss = DotLoss(probe)
-    slack = loss_bytes(device) + loss.copies(probe)
+    if loss is None:
+        loss = DotLoss(probe)
+        slack = loss_bytes(device) + loss.copies(probe)
+    else:
+        slack = loss_bytes(device)
     eager = eager_peak(model, sample, loss)
     budget = max(1, int(eager * fraction))
     minimum = False

@@ -336,6 +336,40 @@ def programs(max_length: int = 8):
     return draw_program()
 
 
+class LossInside(nn.Module):
+    """The program's model returning its own loss, as a transformers model called with labels
+    does: ``{"loss": sum_i <outputs_i, W_i>, "outputs": outputs}`` over the outputs ``read`` (the
+    others are returned alone: the loss's backward does not reach them, unless through another)."""
+
+    def __init__(self, model: nn.Module, outputs: tuple, read: list[int], seed: int) -> None:
+        super().__init__()
+        self.model, self.read = model, list(read)
+        self.unread = [i for i, o in enumerate(outputs) if o.requires_grad and o.is_floating_point() and i not in read]
+        generator = torch.Generator().manual_seed(seed)
+        for i in self.read:
+            self.register_buffer(f"w{i}", torch.randn(outputs[i].numel(), generator=generator,
+                                                      dtype=outputs[i].dtype), persistent=False)
+
+    def forward(self, x):
+        outputs = self.model(x)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        terms = [torch.dot(outputs[i].reshape(-1), getattr(self, f"w{i}")) for i in self.read]
+        return {"loss": sum(terms[1:], terms[0]), "outputs": outputs}
+
+
+def with_loss_inside(model: nn.Module, x: torch.Tensor, seed: int) -> LossInside | None:
+    """``model`` returning its loss (:class:`LossInside`) over its outputs that require grad (for
+    an odd ``seed`` where there are several, all but the last: an output the loss does not read);
+    None where no output requires grad."""
+    with torch.random.fork_rng(devices=[]):
+        outputs = model(x)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    graded = [i for i, o in enumerate(outputs) if o.requires_grad and o.is_floating_point()]
+    if not graded:
+        return None
+    return LossInside(model, outputs, graded[:-1] if len(graded) > 1 and seed % 2 else graded, seed)
+
+
 @dataclass
 class CheckResult:
     """What :func:`check_program` saw: the outcome and the figures behind it."""
@@ -361,7 +395,7 @@ def make(program: Program) -> tuple[ProgramModel, torch.Tensor]:
 
 
 def check_program(program: Program, fraction: float, solver: str = "rockmate", steps: int = 2,
-                  **options) -> CheckResult:
+                  loss_inside: bool = False, **options) -> CheckResult:
     """The fuzzing property on one program at ``fraction`` of eager's allocator peak.
 
     Either eager PyTorch cannot train the model (the outcome "eager_fails"), or the model is
@@ -372,18 +406,25 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
     ``InfeasibleBudget`` must give), at the minimum. Also: the plan without recomputation
     predicts no more than eager's allocator peak (its outputs held through the step), and the
     solver's minimum is no more than that plan's peak. AssertionError otherwise, with the
-    program's source.
+    program's source. ``loss_inside``: the model returns its own loss (:func:`with_loss_inside`),
+    the step's backward is from it alone (``output_gradients="auto"``).
     """
-    from exactness import DotLoss, check_training, eager_peak, step_peak
+    from exactness import DotLoss, check_training, eager_peak, model_loss, step_peak
     from rockmate import CaptureError, Rockmate, UnsupportedOperation, min_budget
 
     options.setdefault("cost_model", "flops")
     model, x = make(program)
     where = "\n" + program.source()
     result = CheckResult("exact")
+    if loss_inside:
+        model = with_loss_inside(model, x, program.seed + 2)
+        if model is None:
+            result.outcome = "no_gradient"
+            return result
+        where += f"\nthe model returns its loss, of the outputs {model.read}"
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         probe = copy.deepcopy(model)(x)
-    loss = DotLoss(probe)
+    loss = model_loss if loss_inside else DotLoss(probe)
     try:
         eager = eager_peak(model, (x,), loss)
     except RuntimeError as error:  # eager cannot train it either (a saved buffer written again)
@@ -402,18 +443,26 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
     # the executor matches eager's memory but where an island's engine call holds more at once
     # than eager's engine does (a leaf read twice, merged islands): at most two tensors more
     tensor = max((o.size_bytes for n in none.graphs.simplified.nodes for o in n.outputs), default=0)
+    if loss_inside and x.requires_grad:
+        # (the model's loss reads the input through a view, x.reshape(-1): its gradient's view
+        # group is counted apart, an input-sized sum that a step may not make)
+        tensor = max(tensor, x.numel() * x.element_size())
     # and the functional graph's batch norms return the new running statistics, which the
     # executor holds to the end of the forward (eager writes them in place)
     statistics = sum(entry.bytes for entries in none.plan.first_run_bytes.values() for entry in entries
                      if entry.until_loss)
-    assert none.plan.predicted_peak <= eager + loss.copies(probe) + 2 * tensor + statistics, (
+    copies = 0 if loss_inside else loss.copies(probe)
+    # (an output that the model's loss does not read, nor its backward reach, counts a gradient
+    # from the user and its backward all the same, output_gradients: not compared with eager)
+    assert (loss_inside and model.unread) or none.plan.predicted_peak <= eager + copies + 2 * tensor + statistics, (
         f"the plan without recomputation predicts {none.plan.predicted_peak} B, above eager's allocator "
         f"peak {eager} B by more than two tensors of {tensor} B and the new statistics {statistics} B{where}")
     minimum = min_budget(copy.deepcopy(model), x, solver=solver, **options)
     assert minimum <= none.plan.predicted_peak, (
         f"the minimum {minimum} B is above the no-recomputation plan's peak {none.plan.predicted_peak} B{where}")
     try:
-        report = check_training(model, (x,), fraction, solver, steps=steps, tolerance=1.0, **options)
+        report = check_training(model, (x,), fraction, solver, steps=steps, tolerance=1.0,
+                                loss=model_loss if loss_inside else None, **options)
     except AssertionError as error:
         raise AssertionError(f"{error}{where}") from error
     except Exception as error:  # any other exception is a failure of the property

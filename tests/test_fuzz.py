@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import example, given, seed  # noqa: E402
+from hypothesis import example, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 import torch  # noqa: E402
 
@@ -661,3 +661,18 @@ def test_a_returned_result_read_in_the_next_block_keeps_the_losss_gradient_layou
                        ("conv1d", [1]), ("batch_norm", [5])], [2, 5, 6], batch=3, seq=4, dim=8,
                       dtype=torch.float32, input_requires_grad=True)
     check_program(program, 1.0, max_block_nodes=3)
+
+
+# models that return their own loss ({"loss": ..., "outputs": ...}, as transformers' models called
+# with labels): the step's backward from that loss alone, the outputs it reaches counted without a
+# gradient from the user (output_gradients="auto"); benchmarks/fuzz.py --loss-inside runs more
+@seed(20261129)
+@settings(max_examples=12)
+@given(program=programs(), fraction=st.sampled_from([0.0, 0.5, 1.0]))
+# the model's loss reads the input alone, which the model also returns (a reached input)
+@example(written([("chunk_mul", [0])], [0], batch=2, seq=4, dim=8, input_requires_grad=True, seed=1), 0.0)
+# an output that the loss does not read nor reach (an odd seed): it counts a gradient all the same
+@example(written([("linear", [0]), ("gelu", [1]), ("linear", [0])], [2, 3], batch=2, seq=4, dim=8,
+                 input_requires_grad=True, seed=3), 0.5)
+def test_random_models_that_return_their_loss(program, fraction):
+    check_program(program, fraction, loss_inside=True, **GRID)
