@@ -653,7 +653,7 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     clock = time.perf_counter()
     simplified = simplify(captured)
     index = None if loss_index is None else loss_index(captured)
-    if index is not None:
+    if index is not None and 0 <= index < len(simplified.outputs):
         loss_name = simplified.outputs[index]
         simplified.outputs_without_gradient = frozenset(name for name in simplified.outputs if name != loss_name)
     # which tensors a backward from the outputs reaches (and the layouts of their gradients)
