@@ -257,6 +257,46 @@ def test_gradient_checkpointing_left_on_trains_exactly():
             assert torch.equal(p.grad, q.grad), f"step {step}: {path}'s gradient differs"
 
 
+def test_hidden_states_returned_beside_the_loss_count_no_gradient_and_train_exactly():
+    """``output_hidden_states=True``: every layer's output is returned (early outputs of the chain)
+    beside the loss. The loss's backward reaches them all, so the plan counts no gradient from the
+    user for them (``output_gradients="auto"``): the step's peak, holding the outputs, is within
+    the plan at 60% of the peak without recomputation. A loss that reads the hidden states too trains bitwise,
+    with a warning that the plan did not count their gradients."""
+    from rkgb.memory import measure_allocator_peak
+
+    torch.manual_seed(0)
+    model, call = MODELS["gpt2"]()
+    call = dict(call, output_hidden_states=True)
+    model.train()
+    compiled = Rockmate(copy.deepcopy(model), call, 0.6, cost_model="flops")  # (its minimum: 0.54)
+    assert len(compiled.graphs.model_chain.early_without_gradient) == 2
+    for module in (compiled, model):
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+
+    def step(module, loss_of):
+        def run():
+            torch.manual_seed(0)
+            outputs = module(**call)
+            loss_of(outputs).backward()
+            return outputs
+        return run
+
+    peak = measure_allocator_peak(step(compiled, _loss_of))
+    assert peak <= compiled.plan.predicted_peak + 64, (peak, compiled.plan.predicted_peak)
+    step(model, _loss_of)()
+
+    def with_hidden(outputs):
+        return outputs.loss + sum(h.square().mean() for h in outputs.hidden_states)
+
+    with pytest.warns(UserWarning, match="besides the model's own loss"):
+        step(compiled, with_hidden)()
+    step(model, with_hidden)()
+    for (path, p), q in zip(compiled.model.named_parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad), f"{path}'s gradient differs"
+
+
 def test_a_capture_that_retries_prints_nothing(capfd):
     """XLM-R checks that its attention mask is all ones, which export cannot follow: the capture
     retries along transformers' compile paths (rkgb.capture._export_along_eager_paths). What
