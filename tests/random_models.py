@@ -417,7 +417,11 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
     where = "\n" + program.source()
     result = CheckResult("exact")
     if loss_inside:
-        model = with_loss_inside(model, x, program.seed + 2)
+        inside = with_loss_inside(model, x, program.seed + 2)
+        if inside is None and not x.requires_grad:  # (a loss needs an output that requires grad)
+            x = x.detach().requires_grad_()
+            inside = with_loss_inside(model, x, program.seed + 2)
+        model = inside
         if model is None:
             result.outcome = "no_gradient"
             return result
