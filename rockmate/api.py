@@ -406,13 +406,16 @@ class Rockmate(nn.Module):
 
     def memory_timeline(self, *args, loss_fn: Callable[[Any], torch.Tensor] | None = None, **kwargs) -> Timeline:
         """Run one training step on the call ``(*args, **kwargs)`` (``loss_fn(output).backward()``;
-        by default the sum of every output's elements) and return the memory of each
+        by default the model's own loss where it returns one and the plan counts no gradient for
+        its other outputs (``output_gradients``), else the sum of every output's elements) and
+        return the memory of each
         operation of the schedule, predicted by the plan against measured by the allocator
         (CPU: the profiler's allocation events). The step's gradients accumulate into the
         parameters as any step's do; parameters whose ``.grad`` is None get theirs allocated
         during the step, which the measure then counts (the budget does not: zero the
         gradients, ``p.grad = torch.zeros_like(p)``, to measure a step after the first)."""
-        loss_fn = loss_fn or _sum_of_outputs
+        if loss_fn is None:
+            loss_fn = _model_loss if self.graphs.simplified.outputs_without_gradient else _sum_of_outputs
         return measure_timeline(self.compiled, self._flat_inputs(args, kwargs),
                                 lambda outputs: loss_fn(self._structured(outputs)), self.plan)
 
@@ -528,6 +531,11 @@ def _flat_call(model: nn.Module, sample, args, kwargs) -> tuple[CallSignature, n
     if signature.is_plain:
         return signature, model, call_args
     return signature, FlatModel(model, signature), tuple(signature.leaves[i] for i in signature.tensor_positions)
+
+
+def _model_loss(outputs) -> torch.Tensor:
+    """The loss the model returns (its ``loss`` entry), from which alone its plan's backward runs."""
+    return outputs["loss"]
 
 
 def _sum_of_outputs(outputs) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -606,6 +607,11 @@ def test_a_model_that_returns_its_loss_is_planned_for_a_backward_from_that_loss(
     assert measured == eager <= compiled.plan.predicted_peak + LOSS_BYTES, (measured, eager, compiled.plan.predicted_peak)
     for a, b in zip(reference.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
+    # the memory timeline's default step is the model's loss too (no warning, within the plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        timeline = compiled.memory_timeline(**call)
+    assert timeline.measured_peak <= compiled.plan.predicted_peak
     for module in (reference, compiled):
         for p in module.parameters():
             p.grad = None
