@@ -226,7 +226,9 @@ def where_memory_differs(compiled, sample, loss) -> str:
     """The operation of the schedule whose allocator peak is furthest above its prediction."""
     from exec.timeline import measure_timeline
 
-    timeline = measure_timeline(compiled.compiled, tuple(sample), loss, compiled.plan)
+    # (the loss reads the outputs in the model's structure: a dict's "loss", model_loss)
+    timeline = measure_timeline(compiled.compiled, tuple(sample), lambda outputs: loss(compiled._structured(outputs)),
+                                compiled.plan)
     worst = timeline.worst()
     if worst is None:
         index, label = timeline.peak_operation()
