@@ -243,11 +243,10 @@ def _check_outputs_unchanged(handover: _Handover, outputs: Sequence[torch.Tensor
                 "out-of-place operation)")
 
 
-def _outputs_read_by_backward(graph: SimplifiedGraph, schedule: Schedule, cdgraph) -> frozenset[int] | None:
-    """Indices of the user outputs whose values a backward or recomputation of ``schedule``
-    reads (after its loss), or may read (an output that is not a node's data: a model input, a
-    buffer); None, all of them, without a CD-graph."""
-    read = _data_read_after_loss(schedule, cdgraph)
+def _outputs_read_by_backward(graph: SimplifiedGraph, read: set[str] | None, cdgraph) -> frozenset[int] | None:
+    """Indices of the user outputs whose values a backward or recomputation of the schedule
+    reads (``read``: :func:`_data_read_after_loss`), or may read (an output that is not a node's
+    data: a model input, a buffer); None, all of them, without a CD-graph."""
     if read is None:
         return None
     indices = set()
@@ -274,16 +273,16 @@ def _data_read_after_loss(schedule: Schedule, cdgraph) -> set[str] | None:
     return read
 
 
-def outputs_to_release(graph: SimplifiedGraph, schedule: Schedule, cdgraph, infos) -> frozenset[str]:
+def outputs_to_release(graph: SimplifiedGraph, read: set[str] | None, cdgraph, infos) -> frozenset[str]:
     """The nodes whose data the model returns (as the node's own tensors, not views of them) and
-    no computation after the loss reads: the forward lets go of them as it returns.
+    no computation after the loss reads (``read``: :func:`_data_read_after_loss`): the forward
+    lets go of them as it returns.
 
     Eager frees such an output when the user drops it (a training loop that keeps only the loss,
     as transformers' ``Trainer`` does with the logits); held by the step's state, it would stay
     to the end of the backward. The plan still counts it alive through the step (the user may
     hold it: ``solvers.simulate``'s ``keep_outputs``); released, it is freed where the user lets go.
     """
-    read = _data_read_after_loss(schedule, cdgraph)
     if read is None:
         return frozenset()
     returned: dict[str, set[str]] = {}
@@ -461,7 +460,7 @@ class _Runner:
             aliased_parameters=aliased,
             trained_parameters={name for (name, _, _), flag in zip(module._parameter_refs, parameter_requires_grad)
                                 if flag},
-            released_outputs=outputs_to_release(graph, module.schedule, module.cdgraph, self.infos),
+            released_outputs=outputs_to_release(graph, module._read_after_loss, module.cdgraph, self.infos),
         )
         self.module = module
 
@@ -550,7 +549,9 @@ class CompiledModule(nn.Module):
         self.peak_limit = peak_limit
         self.first_run_bytes = first_run_bytes
         self.merge_islands = merge_islands
-        self._read_by_backward = _outputs_read_by_backward(graph, schedule, cdgraph)
+        # the data nodes that the computations after the loss read (one pass over the schedule)
+        self._read_after_loss = _data_read_after_loss(schedule, cdgraph)
+        self._read_by_backward = _outputs_read_by_backward(graph, self._read_after_loss, cdgraph)
         sample = as_input_tuple(sample)
         captured = graph.captured
         self._sample_signature = [

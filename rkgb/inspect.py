@@ -811,18 +811,21 @@ def _fake_backward(graph: SimplifiedGraph, model: nn.Module, sample, from_reader
             if n not in exported:  # a model input (or a view of one) returned: reached too?
                 fake[n].register_hook(lambda g, name=n: grads.setdefault(name, g))
         others = [n for n in outputs if n in graph.outputs_without_gradient]
-        outputs = [n for n in outputs if n not in graph.outputs_without_gradient]
-        for roots in (outputs, others):
-            if roots is others:
-                roots = list(dict.fromkeys(n for n in others if n not in grads))
-                if unreached is not None:
-                    unreached.update(roots)
-            if roots:
-                # a loss's gradient is contiguous whatever the output's layout (a reshape of
-                # it, cross-entropy's): a transposed output's backward gets a contiguous one
-                ones = [torch.ones(fake[n].shape, dtype=fake[n].dtype, device=fake[n].device) for n in roots]
-                torch.autograd.backward([fake[n] for n in roots], ones, retain_graph=roots is outputs)
+        _backward_with_ones(fake, [n for n in outputs if n not in others], retain_graph=bool(others))
+        missed = list(dict.fromkeys(n for n in others if n not in grads))
+        if unreached is not None:
+            unreached.update(missed)
+        _backward_with_ones(fake, missed)
     return grads
+
+
+def _backward_with_ones(fake: dict, roots: list[str], retain_graph: bool = False) -> None:
+    """A backward from the tensors ``roots`` (names in ``fake``), each given a contiguous gradient
+    of ones: a loss's gradient is contiguous whatever the output's layout (a reshape of it,
+    cross-entropy's), so a transposed output's backward gets a contiguous one."""
+    if roots:
+        ones = [torch.ones(fake[n].shape, dtype=fake[n].dtype, device=fake[n].device) for n in roots]
+        torch.autograd.backward([fake[n] for n in roots], ones, retain_graph=retain_graph)
 
 
 def _phantoms_in_recording(saved: SavedTensors, node: str, device: torch.device):

@@ -40,7 +40,7 @@ from solvers.schedule import Plan
 from .budget import budget_fraction, format_bytes, parse_budget
 from .errors import InfeasibleBudget
 from .model_state import ModelState
-from .signature import CallSignature, FlatModel, is_loss_entry, split_sample
+from .signature import CallSignature, FlatModel, loss_entry_index, split_sample
 
 __all__ = ["Rockmate", "min_budget", "BuildOptions"]
 
@@ -161,11 +161,8 @@ def _model_loss_index(captured: CapturedGraph, model: nn.Module) -> int | None:
         return None
     paths = [path for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]]
     nodes = {node.name: node for node in captured.graph.nodes}
-    for index, (path, name) in enumerate(zip(paths, captured.user_outputs)):
-        value = nodes[name].meta.get("val") if name in nodes else None
-        if isinstance(value, torch.Tensor) and is_loss_entry(path, value):
-            return index
-    return None
+    return loss_entry_index(paths, [nodes[name].meta.get("val") if name in nodes else None
+                                    for name in captured.user_outputs])
 
 
 class Rockmate(nn.Module):

@@ -57,14 +57,15 @@ def _shape_of_call(args: tuple, kwargs: dict) -> str:
     return f"{len(args)} positional argument(s) and the keywords {sorted(kwargs)}"
 
 
-def is_loss_entry(path: tuple, leaf: torch.Tensor) -> bool:
-    """Whether the output's leaf at ``path`` is the model's own loss: the entry ``loss`` of the
-    returned dict or ``ModelOutput`` (transformers' models called with labels), a scalar of a
-    floating dtype."""
-    if len(path) != 1 or leaf.dim() != 0 or not leaf.is_floating_point():
-        return False
-    key = path[0]
-    return getattr(key, "key", getattr(key, "name", None)) == "loss"
+def loss_entry_index(paths: list[tuple], leaves: list) -> int | None:
+    """The index of the model's own loss among the output's leaves (at their pytree ``paths``):
+    the entry ``loss`` of the returned dict or ``ModelOutput`` (transformers' models called with
+    labels), a scalar of a floating dtype; None where there is none."""
+    for index, (path, leaf) in enumerate(zip(paths, leaves)):
+        if len(path) == 1 and isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and leaf.is_floating_point() \
+                and getattr(path[0], "key", getattr(path[0], "name", None)) == "loss":
+            return index
+    return None
 
 
 @dataclass
@@ -146,7 +147,7 @@ class CallSignature:
                             f"Rockmate supports tensors in any nesting of tuples, lists, dicts and ModelOutputs"
                             f"{hint}")
         self.out_spec = spec
-        self.loss_index = next((i for i, (path, leaf) in enumerate(flat) if is_loss_entry(path, leaf)), None)
+        self.loss_index = loss_entry_index([path for path, _ in flat], leaves)
         return tuple(leaves)
 
     def unflatten_output(self, outputs):
