@@ -121,6 +121,7 @@ def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
                         dname(d, G): tuple(groups) for d, groups in node.grad_together.items() if d in grad_exists
                     },
                     together_storages=tuple(node.together_storages),
+                    optional=node.optional_backward,
                 ),
             )
     boundary = ([INPUT_NAME] if measure.input_requires_grad else []) + \
@@ -594,11 +595,12 @@ def layouts_key(captured: CapturedGraph, device: torch.device, without_gradient=
 
 
 def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str, bool], layouts, device: torch.device,
-                 cost_model: str, repeats: int, without_gradient=frozenset()) -> str:
+                 cost_model: str, repeats: int, without_gradient=frozenset(), optional_gradient=frozenset()) -> str:
     """The key of a build's measures in :class:`rkgb.disk_cache.MeasureCache`: what they depend
     on. The captured graph, node by node (its op, arguments, and its value's shape, strides,
     dtype, device and ``requires_grad``), which globals require grad, the chain of blocks and
-    classes, the gradient layouts, the outputs that the user's loss gives no gradient, the device
+    classes, the gradient layouts, the outputs that the user's loss gives no gradient (and those it
+    may give none), the device
     (with a GPU's name), torch's version, the settings
     that choose kernels (threads, deterministic algorithms, cuDNN, TF32: their scratch memory
     and times), the cost model and the graph builder's own source
@@ -613,7 +615,7 @@ def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str,
                torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
     content = repr((source_digest(), torch.__version__, str(device), gpu, kernels, cost_model, repeats, lines,
                     sorted(requires_grad.items()), blocks, sorted((k, repr(v)) for k, v in layouts.items()),
-                    sorted(without_gradient)))
+                    sorted(without_gradient), sorted(optional_gradient)))
     return hashlib.sha256(content.encode()).hexdigest()
 
 
@@ -672,6 +674,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     simplified.gradient_receivers = None if layouts is None else receivers
     # an output that the loss's backward does not reach is taken to get a gradient from the user
     # (its backward would not run otherwise); all of them where the layouts are not known
+    simplified.outputs_with_optional_gradient = frozenset() if layouts is None else \
+        simplified.outputs_without_gradient & unreached
     simplified.outputs_without_gradient = frozenset() if layouts is None else \
         simplified.outputs_without_gradient - unreached
     requires_grad = global_requires_grad(simplified, model, sample)
@@ -692,7 +696,7 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
         classes_of_blocks, measures = measure()
     else:
         key = measures_key(captured, chain, requires_grad, layouts or {}, device, cost_model, repeats,
-                           simplified.outputs_without_gradient)
+                           simplified.outputs_without_gradient, simplified.outputs_with_optional_gradient)
         hits = measure_cache.hits
         classes_of_blocks, measures = measure_cache.get_or_compute(key, measure)
         from_cache = measure_cache.hits > hits

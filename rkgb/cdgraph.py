@@ -177,6 +177,11 @@ class ComputeNode:
     # bytes). None: the same as ``overhead_bytes``. The simulator uses it where the gradient's
     # storage has no other holder (solvers.simulate)
     handoff_overhead_bytes: int | None = None
+    # a backward that runs only where the step gives a gradient to an output that the model's
+    # loss does not reach (``rkgb.simplify.SimplifiedGraph.outputs_with_optional_gradient``): a
+    # sum it makes is taken to keep what the gradient was before it (shared, or not a dense
+    # tensor of its own), as a step without it keeps that gradient (solvers.simulate)
+    optional: bool = False
 
     def overhead(self, with_grad: bool = True) -> int:
         """Temporary memory while it runs (a forward's depends on ``with_grad``)."""

@@ -117,6 +117,10 @@ class NodeMeasure:
     input_grad_together: dict[str, list[int]] = field(default_factory=dict)
     data_deps: list[str] = field(default_factory=list)
     is_random: bool = False
+    backward_ran: bool = False  # a gradient reached it in the inspection
+    # ... but not where the step gives none to the outputs that the model's loss does not reach
+    # (:attr:`rkgb.cdgraph.ComputeNode.optional`)
+    optional_backward: bool = False
 
 
 @dataclass
@@ -375,10 +379,58 @@ def inspect_chain(
                         and any(n in corrected for n in graph.exported(graph.node(block.input_node))):
                     stale.add(previous.class_index)
             again = {cls.representative: cls.index for cls in chain.classes if cls.index in stale}
+        if graph.outputs_with_optional_gradient:
+            # a step may give the outputs that the model's loss does not reach a gradient or not
+            # (``loss.backward()``): where none comes, the gradients that theirs would have been
+            # summed with stay what they were (a view of a bigger gradient, which the next
+            # contribution is not added into in place: fuzz seed 271, one tensor over the plan);
+            # the blocks are measured that way too and each figure is the larger of the two
+            given = graph.outputs_without_gradient
+            graph.outputs_without_gradient = given | graph.outputs_with_optional_gradient
+            try:
+                everyone = {cls.representative: cls.index for cls in chain.classes}
+                without = _inspect_blocks(graph, chain, model, sample, device, needs, clock, everyone,
+                                          last_use, layouts, {}, strides)
+            finally:
+                graph.outputs_without_gradient = given
+            for index, measure in without.items():
+                _take_larger(measures[index], measure)
         return [measures[i] for i in range(len(chain.classes))]
     finally:
         for p, grad in saved_grads.items():
             p.grad = grad
+
+
+def _take_larger(given: BlockMeasure, without: BlockMeasure) -> None:
+    """``given`` (a class measured with a gradient for every output the plan counts one for) made
+    to hold for a step that gives the optional ones none too (``without``, measured so), in place:
+    each backward's temporary memory the larger of the two, and a gradient's first contribution
+    taken to be shared (the next one not added into it in place) or not a dense tensor of its own
+    where either measure saw it so. A node whose backward does not run without them keeps its
+    figures (the other's are empty) and is marked optional."""
+    for mine, theirs in zip(given.nodes, without.nodes):
+        mine.optional_backward = mine.backward_ran and not theirs.backward_ran
+        handoff = [m.handoff_overhead_bytes for m in (mine, theirs) if m.handoff_overhead_bytes is not None]
+        if handoff:
+            handoff = [m.backward_overhead_bytes if m.handoff_overhead_bytes is None else m.handoff_overhead_bytes
+                       for m in (mine, theirs)]
+        mine.backward_overhead_bytes = max(mine.backward_overhead_bytes, theirs.backward_overhead_bytes)
+        mine.handoff_overhead_bytes = max(handoff) if handoff else None
+        for dep in set(mine.grad_shared) | set(theirs.grad_shared):
+            # (a part is fresh, shared but freed with the gradient, or shared: the larger)
+            shared = sorted(set(mine.grad_shared.get(dep, [])) | set(theirs.grad_shared.get(dep, [])))
+            owned = [i for i in shared if all(i in m.grad_owned.get(dep, []) or i not in m.grad_shared.get(dep, [])
+                                              for m in (mine, theirs))]
+            mine.grad_shared[dep] = shared
+            if owned:
+                mine.grad_owned[dep] = owned
+            else:
+                mine.grad_owned.pop(dep, None)
+        for name, flags in theirs.input_grad_owned.items():
+            own = mine.input_grad_owned.get(name)
+            if own is not None:
+                mine.input_grad_owned[name] = [a and b for a, b in zip(own, flags)] if len(own) == len(flags) \
+                    else [False] * len(own)
 
 
 def _output_layouts(graph: SimplifiedGraph, block: Block, layouts: dict[str, GradLayout]) -> tuple:
@@ -1281,6 +1333,7 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             measure.grads_to = [anonymous[d] for d in targets]
             inputs = dep_leaves + aliases.pop(name, []) + params
             if outputs:
+                measure.backward_ran = True
                 saved.consume = False  # the timings keep the graph (and so the phantoms)
                 measure.backward_time_s = clock(
                     lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True),

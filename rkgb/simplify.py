@@ -199,6 +199,10 @@ class SimplifiedGraph:
     # others (``rockmate.BuildOptions.output_gradients``); their gradients come from the nodes
     # that read them, if any
     outputs_without_gradient: frozenset[str] = frozenset()
+    # outputs that the model's loss does not reach: the plan gives them a gradient (their
+    # backward runs if the user gives one) and holds for a step that gives none too (the
+    # inspection measures the blocks both ways, rkgb.inspect.inspect_chain)
+    outputs_with_optional_gradient: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self._by_name = {node.name: node for node in self.nodes}

@@ -98,8 +98,9 @@ class _Storages:
         self.storage: dict[str, list[int | None]] = {}  # alive node -> storage of each part
         self.holders: dict[int, int] = {}
         self.bytes: dict[int, int] = {}
-        # contributions waiting to be added into alive gradients: (node, part, storage)
-        self.pending: list[tuple[str, int, int]] = []
+        # contributions waiting to be added into alive gradients: (node, part, storage, optional:
+        # made by a backward that a step may not run, ComputeNode.optional)
+        self.pending: list[tuple[str, int, int, bool]] = []
         self.shared: set[int] = set()  # storages that another tensor shares (ComputeNode.shared)
         # shared storages that the gradient holds alone all the same (ComputeNode.owned: a view
         # of a result of its own size; the outputs' gradients from the loss, exec.runtime)
@@ -243,7 +244,7 @@ class _Storages:
                     storage = self._new(max(size, self._group_size(node, group)))
                     if group >= 0:
                         self._made_for_group(node, group, storage)
-                self.pending.append((d, i, storage))
+                self.pending.append((d, i, storage, node.optional))
         return self.memory - before
 
     def _made_for_group(self, node: ComputeNode, group: int, storage: int) -> None:
@@ -287,9 +288,9 @@ class _Storages:
                 self.addable.add(self.storage[d][0])
         elif alias is not None:
             self.holders[alias] += 1
-            self.pending.append((d, 0, alias))
+            self.pending.append((d, 0, alias, node.optional))
         else:
-            self.pending.append((d, 0, self._new(entry.bytes)))
+            self.pending.append((d, 0, self._new(entry.bytes), node.optional))
         return self.memory - before
 
     def join_views(self, key: str, size: int, owned: bool) -> int:
@@ -345,16 +346,23 @@ class _Storages:
         # goes at once, the biggest
         lasting = biggest = 0
         flushed = [entry for entry in self.pending if only is None or entry[0] == only]
-        for d, i, storage in flushed:
+        for d, i, storage, optional in flushed:
             held = self.storage[d][i]
             if self._sums_anew(d, held):
                 if self.holders[held] > 1:
                     lasting += self._part_size(d, i)
                 else:
                     biggest = max(biggest, self._part_size(d, i))
+                # (a step that does not run the backward that made it keeps the old one: a
+                # later contribution is added as into that one, ComputeNode.optional)
+                kept = [kind for kind in (self.shared, self.owned, self.addable, self.whole) if held in kind] \
+                    if optional else []
                 self._hold_new(d, i)  # then the old one goes
-                if d in self.first_run_sizes:
-                    self.addable.add(self.storage[d][i])  # old + grad: a dense tensor of its own
+                new = self.storage[d][i]
+                for kind in kept:
+                    kind.add(new)
+                if d in self.first_run_sizes and not optional:
+                    self.addable.add(new)  # old + grad: a dense tensor of its own
             self._release(storage)  # the contribution (added in place into a gradient held alone)
         self.pending = [entry for entry in self.pending if entry not in flushed]
         return start + lasting + biggest

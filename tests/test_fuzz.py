@@ -674,5 +674,10 @@ def test_a_returned_result_read_in_the_next_block_keeps_the_losss_gradient_layou
 # an output that the loss does not read nor reach (an odd seed): it counts a gradient all the same
 @example(written([("linear", [0]), ("gelu", [1]), ("linear", [0])], [2, 3], batch=2, seq=4, dim=8,
                  input_requires_grad=True, seed=3), 0.5)
+# fuzz seed 271: the unread output `v2 = v1 + v1` sums its gradient with v1's, a view of the dot's,
+# into a dense tensor that the next contributions are added into in place; a step that gives v2 no
+# gradient keeps the view, and they make new sums (776 B above the plan at the minimum before)
+@example(written([("expanded_query", [0]), ("add", [1, 1]), ("add", [2, 2])], [1, 2], batch=3, seq=4, dim=8,
+                 dtype=torch.float64, input_requires_grad=True, seed=1), 0.0)
 def test_random_models_that_return_their_loss(program, fraction):
     check_program(program, fraction, loss_inside=True, **GRID)
