@@ -13,6 +13,7 @@ engine call and no leaf between them.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -195,13 +196,15 @@ class _Handover:
     outputs' versions when the forward returned them, and those whose values the backward
     reads (:func:`_check_outputs_unchanged`)."""
 
-    __slots__ = ("grads", "versions", "names", "read_by_backward")
+    __slots__ = ("grads", "versions", "names", "read_by_backward", "dropped")
 
     def __init__(self, names: Sequence[str], read_by_backward: frozenset[int] | None = None) -> None:
         self.grads: list[torch.Tensor | None] = [None] * len(names)
         self.versions: list[int] = []
         self.names = names  # the outputs' fx names (for the error)
         self.read_by_backward = read_by_backward  # None: any of them, for all we know
+        # the outputs that the plan takes the step to drop (index, the user's tensor, weakly)
+        self.dropped: list[tuple[int, weakref.ref]] = []
 
 
 class _OutputGate(torch.autograd.Function):
@@ -316,6 +319,31 @@ def _warn_if_unplanned(grads: list[torch.Tensor | None], graph: SimplifiedGraph)
             return
 
 
+def _dropped_outputs(graph: SimplifiedGraph, cdgraph) -> list[int]:
+    """The indices of the outputs that the plan takes the step to drop once the forward returns
+    them (``CDGraph.dropped_outputs``: ``rockmate``'s ``held_outputs="loss"``)."""
+    dropped = set(getattr(cdgraph, "dropped_outputs", ()))
+    return [i for i, name in enumerate(graph.outputs)
+            if data_name(graph.owner.get(name, name), DataKind.DATA) in dropped]
+
+
+def _warn_if_held(handover: _Handover) -> None:
+    """Warn where the user still holds, at the backward, an output that the plan takes the step
+    to have dropped (its memory is not in the plan after the forward; the gradients are exact)."""
+    for i, reference in handover.dropped:
+        output = reference()
+        if output is not None:
+            warnings.warn(
+                f"Rockmate: the step still holds output {i} ({handover.names[i]!r}, "
+                f"{output.untyped_storage().nbytes()} B) at its backward, which the plan (held_outputs='loss') takes it "
+                "to drop once the forward returns: the gradients are exact, but the step's peak may exceed the plan "
+                "by up to that much; drop it before the backward (loss = model(**batch).loss) or build with "
+                "held_outputs='all'",
+                stacklevel=3,
+            )
+            return
+
+
 def _warn_if_shared(grads: list[torch.Tensor | None]) -> None:
     """Warn where the loss handed an output's gradient over as part of a bigger tensor.
 
@@ -383,6 +411,7 @@ class _ScheduleFunction(torch.autograd.Function):
             if p.requires_grad and i not in runner.aliased_parameters and not runner.accumulators.engine_accumulates_into(i, p)
         }
         _check_outputs_unchanged(ctx.handover, state.outputs)
+        _warn_if_held(ctx.handover)
         # the outputs' gradients come from their gates (the engine passes None here)
         state.grad_outputs, ctx.handover.grads, ctx.handover = ctx.handover.grads, None, None
         _warn_if_shared(state.grad_outputs)
@@ -552,6 +581,7 @@ class CompiledModule(nn.Module):
         # the data nodes that the computations after the loss read (one pass over the schedule)
         self._read_after_loss = _data_read_after_loss(schedule, cdgraph)
         self._read_by_backward = _outputs_read_by_backward(graph, self._read_after_loss, cdgraph)
+        self._dropped = _dropped_outputs(graph, cdgraph)
         sample = as_input_tuple(sample)
         captured = graph.captured
         self._sample_signature = [
@@ -706,6 +736,7 @@ class CompiledModule(nn.Module):
                 outputs[i] = returned[name]
             else:
                 returned[name] = outputs[i] = _OutputGate.apply(output, handover, i) if output.requires_grad else output
+        handover.dropped = [(i, weakref.ref(outputs[i])) for i in self._dropped]
         if self.graph.captured.output_is_tuple:
             return tuple(outputs)
         return outputs[0]

@@ -631,7 +631,8 @@ def _with_classes(chain: Chain, classes_of_blocks: list[int]) -> Chain:
 
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3,
           grad_accumulation: bool = True, max_block_nodes: int | None = 40, measure_cache=None,
-          loss_index: Callable[[CapturedGraph], int | None] | None = None) -> ModelGraphs:
+          loss_index: Callable[[CapturedGraph], int | None] | None = None, output_gradients: str = "auto",
+          held_outputs: str = "all") -> ModelGraphs:
     """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
 
     Args:
@@ -645,8 +646,13 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
         measure_cache: a :class:`rkgb.disk_cache.MeasureCache`: the measures of a build with the
             same :func:`measures_key` are read from it instead of measured (None: measure).
         loss_index: asked once the model is captured, the index among its outputs of the loss it
-            returns, from which alone the step's backward runs (None: the user's loss gives every
-            output a gradient); None: every output gets one.
+            returns (None: it returns none); None: not asked.
+        output_gradients: ``"auto"``: where the model returns its loss, the step's backward runs
+            from it alone (the outputs it reaches get no gradient from the user); ``"all"``: the
+            user's loss gives every output a gradient.
+        held_outputs: ``"all"``: the step holds the model's outputs to its end; ``"loss"``: it
+            keeps the model's loss alone (or nothing), the outputs of the last block dropped once
+            the forward returns them (``ModelChain.dropped_outputs``).
     """
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -655,8 +661,8 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     clock = time.perf_counter()
     simplified = simplify(captured)
     index = None if loss_index is None else loss_index(captured)
-    if index is not None and 0 <= index < len(simplified.outputs):
-        loss_name = simplified.outputs[index]
+    loss_name = simplified.outputs[index] if index is not None and 0 <= index < len(simplified.outputs) else None
+    if loss_name is not None and output_gradients == "auto":
         simplified.outputs_without_gradient = frozenset(name for name in simplified.outputs if name != loss_name)
     # which tensors a backward from the outputs reaches (and the layouts of their gradients)
 
@@ -717,6 +723,11 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
                              early_without_gradient=[dname(name, DataKind.DATA) for name in early
                                                      if name not in graded],
                              early_contributions=_early_output_contributions(simplified, early, needs))
+    if held_outputs == "loss":
+        # (the data of a node that the loss is, or a view of, stays: the user holds the loss)
+        kept = simplified.owner.get(loss_name, loss_name) if loss_name is not None else None
+        model_chain.dropped_outputs = [dname(name, DataKind.DATA) for name in simplified.output_owners
+                                       if name in last_nodes and name != kept]
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}
     entries = first_run_bytes(simplified, model, sample, grad_accumulation, needs)
     model_chain.first_run_bytes = {name: entries for name, entries in _input_grad_aliases(entries, measures, instances, simplified).items()

@@ -207,7 +207,10 @@ class CDGraph:
     ``input_grads`` are produced by this graph's backwards for the previous block. The loss
     needs ``output_data`` and produces ``output_grads``. ``side_data``: the input data that are
     side inputs (tensors of earlier blocks besides the chain's input, ``rkgb.blocks``), which
-    the chain keeps alive for later blocks too.
+    the chain keeps alive for later blocks too. ``dropped_outputs`` (a whole model's): those of
+    ``output_data`` that the training step drops once the forward has returned them (it keeps
+    the model's loss alone: ``ModelChain.dropped_outputs``), which the user does not hold to the
+    step's end (:attr:`held_outputs` are the others).
     """
 
     name: str
@@ -218,6 +221,13 @@ class CDGraph:
     output_data: list[str] = field(default_factory=list)
     output_grads: list[str] = field(default_factory=list)
     side_data: list[str] = field(default_factory=list)
+    dropped_outputs: list[str] = field(default_factory=list)
+
+    @property
+    def held_outputs(self) -> list[str]:
+        """The outputs that the user holds to the end of the step (a whole model's graph: they
+        are never forgotten)."""
+        return [d for d in self.output_data if d not in self.dropped_outputs]
 
     @property
     def chain_input_data(self) -> list[str]:
@@ -551,6 +561,11 @@ class ModelChain:
     early_contributions: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # those of them that the loss gives no gradient (``rkgb.simplify.SimplifiedGraph.outputs_without_gradient``)
     early_without_gradient: list[str] = field(default_factory=list)
+    # the last block's outputs (data nodes, real names) that the training step drops once the
+    # forward has returned them, keeping the model's loss alone (``loss = model(**batch).loss``,
+    # transformers' Trainer; ``rockmate.BuildOptions.held_outputs``): they may be forgotten
+    # after the loss like any tensor
+    dropped_outputs: list[str] = field(default_factory=list)
     # whole_graph's graph and what it was made from (the planner asks for it 5-6 times a build:
     # 76 ms each on a 24-layer Llama, 52 blocks)
     _whole: tuple[tuple, "CDGraph"] | None = field(default=None, init=False, repr=False, compare=False)
@@ -615,7 +630,7 @@ class ModelChain:
         """
         made_from = (tuple(map(id, self.classes)), tuple((b.class_index, id(b.names)) for b in self.blocks),
                      tuple(self.early_outputs), tuple(self.early_contributions.items()),
-                     tuple(self.early_without_gradient))
+                     tuple(self.early_without_gradient), tuple(self.dropped_outputs))
         if self._whole is None or self._whole[0] != made_from:
             self._whole = (made_from, self._whole_graph())
         return self._whole[1]
@@ -658,4 +673,5 @@ class ModelChain:
             input_grads=list(graphs[0].input_grads),
             output_data=output_data,
             output_grads=output_grads,
+            dropped_outputs=[d for d in self.dropped_outputs if d in last.output_data],
         )

@@ -68,7 +68,15 @@ class BuildOptions:
     warned about at its backward (its gradients are exact, its memory may go over the plan); an
     output that the loss's backward does not reach counts one all the same (its backward runs
     for it alone). Otherwise every output. ``"all"``: every output that requires grad, whatever
-    the model returns.
+    the model returns. ``held_outputs``: what the training step holds of the model's outputs
+    through its backward. ``"all"`` (default): everything the model returns (``out = model(x);
+    loss_fn(out).backward()`` keeps ``out``). ``"loss"``: the model's own loss alone, or nothing
+    (``loss = model(**batch).loss``, as transformers' ``Trainer`` does; ``loss = loss_fn(model(x),
+    y)``): the plan frees the outputs made by the model's last block (the logits) where it no
+    longer needs them, as eager frees them once the step drops them, and a smaller budget fits.
+    A step that still holds one at its backward is warned about (its gradients are exact, its
+    memory may go over the plan by that output). Outputs made before the last block (hidden
+    states) are counted held either way.
     """
 
     cost_model: str = "measured"
@@ -76,11 +84,15 @@ class BuildOptions:
     grad_accumulation: bool = True
     max_block_nodes: int | None = 40
     output_gradients: str = "auto"
+    held_outputs: str = "all"
 
     def __post_init__(self) -> None:
         if self.output_gradients not in ("auto", "all"):
             raise ValueError(f"output_gradients={self.output_gradients!r}: 'auto' (the model's own loss alone, "
                              "where it returns one) or 'all' (every output)")
+        if self.held_outputs not in ("all", "loss"):
+            raise ValueError(f"held_outputs={self.held_outputs!r}: 'all' (the step holds the model's outputs "
+                             "through its backward) or 'loss' (it keeps the model's loss alone)")
 
 
 def _older_objects_frozen(function):
@@ -109,7 +121,7 @@ def _older_objects_frozen(function):
 
 
 def _split_options(options: dict) -> tuple[BuildOptions, dict]:
-    build_keys = {"cost_model", "repeats", "grad_accumulation", "max_block_nodes", "output_gradients"}
+    build_keys = {"cost_model", "repeats", "grad_accumulation", "max_block_nodes", "output_gradients", "held_outputs"}
     build_options = BuildOptions(**{k: v for k, v in options.items() if k in build_keys})
     return build_options, {k: v for k, v in options.items() if k not in build_keys}
 
@@ -139,15 +151,15 @@ def _measure_cache() -> MeasureCache | None:
 
 
 def _build_graphs(model: nn.Module, sample, build_options: BuildOptions) -> ModelGraphs:
-    loss_index = None
-    if build_options.output_gradients == "auto":
-        def loss_index(captured: CapturedGraph) -> int | None:
-            return _model_loss_index(captured, model)
+    def loss_index(captured: CapturedGraph) -> int | None:
+        return _model_loss_index(captured, model)
+
     with _train_mode(model):
         return build(model, sample, cost_model=build_options.cost_model, repeats=build_options.repeats,
                      grad_accumulation=build_options.grad_accumulation,
                      max_block_nodes=build_options.max_block_nodes, measure_cache=_measure_cache(),
-                     loss_index=loss_index)
+                     loss_index=loss_index, output_gradients=build_options.output_gradients,
+                     held_outputs=build_options.held_outputs)
 
 
 def _model_loss_index(captured: CapturedGraph, model: nn.Module) -> int | None:
@@ -188,7 +200,7 @@ class Rockmate(nn.Module):
         solver: ``"rockmate"`` (default), ``"rotor"``, ``"checkmate"`` (whole graph, small
             models), ``"none"`` (no recomputation), or a solver object.
         **options: ``cost_model``, ``repeats``, ``grad_accumulation``, ``max_block_nodes`` and
-            ``output_gradients`` for the graph builder (:class:`BuildOptions`); the rest go to the
+            ``output_gradients``, ``held_outputs`` for the graph builder (:class:`BuildOptions`); the rest go to the
             solver (e.g. ``slots``, ``time_limit_s``).
 
     Attributes:

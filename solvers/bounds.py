@@ -52,7 +52,7 @@ def operation_floor(graph: CDGraph, keep_outputs: bool = True) -> OperationFloor
     """
     nodes = graph.compute_nodes
     inputs = set(graph.input_data)
-    held = set(graph.output_data) - inputs if keep_outputs else set()
+    held = set(graph.held_outputs) - inputs if keep_outputs else set()
     protected = set(graph.input_grads) | held
     grad_start, grad_added, _, grad_overhead = gradient_profile(graph, protected)
     made_by_forward = {d for c in nodes if c.kind is ComputeKind.FORWARD for d in operation_outputs(graph, c, True)}

@@ -269,7 +269,7 @@ class RkCheckmateILP:
         loss = stage["loss"]
         self.loss_stage = loss
         forwards = [i for i, c in enumerate(nodes) if c.kind is ComputeKind.FORWARD]
-        keep = set(graph.output_data) if keep_outputs else set()
+        keep = set(graph.held_outputs) if keep_outputs else set()
         protected = set(graph.input_grads) | keep
 
         # which data have a variable liveness (made by forwards) and who makes / reads them

@@ -170,8 +170,8 @@ def schedule_of_saved(graph: CDGraph, saved: set[str], producer: dict[str, str] 
             if phantoms is not None:
                 ensure(phantoms)
         computes.append(node.name)
-    return schedule_from_computes(graph, computes, protected=set(graph.input_grads) | set(graph.output_data),
-                                  keep_at_end=set(graph.output_data))
+    return schedule_from_computes(graph, computes, protected=set(graph.input_grads) | set(graph.held_outputs),
+                                  keep_at_end=set(graph.held_outputs))
 
 
 @dataclass

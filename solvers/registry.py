@@ -58,8 +58,8 @@ def no_recompute_schedule(chain: ModelChain) -> Schedule:
     return schedule_from_computes(
         graph,
         [c.name for c in graph.compute_nodes],
-        protected=set(graph.input_grads) | set(graph.output_data),
-        keep_at_end=set(graph.output_data),
+        protected=set(graph.input_grads) | set(graph.held_outputs),
+        keep_at_end=set(graph.held_outputs),
     )
 
 
@@ -224,15 +224,18 @@ class ChainPlanner:
         self.option_seconds["options"] = time.perf_counter() - clock
         offsets, pinned = side_offsets(chain)
         early = set(chain.early_outputs)
+        dropped = set(chain.dropped_outputs)
         for block in chain.blocks:
             options = self._options_of(chain, block.class_index)
             graph = chain.classes[block.class_index]
             held = frozenset(d for d in graph.output_data if renamed_data(d, block.names) in early)
+            # (the last block's outputs but those the step drops once the forward returns them)
+            kept = frozenset(d for d in graph.output_data if renamed_data(d, block.names) not in dropped) \
+                if block.index == last else held
             if block.index == last or held:
-                key = (block.class_index, block.index == last, held)
+                key = (block.class_index, block.index == last, kept)
                 if key not in last_variants:
-                    last_variants[key] = [with_outputs_kept(graph, o, None if block.index == last else set(held))
-                                          for o in options.options]
+                    last_variants[key] = [with_outputs_kept(graph, o, set(kept)) for o in options.options]
                 block_options = last_variants[key]
             else:
                 block_options = options.options
@@ -518,8 +521,8 @@ class CheckmateSolver:
 
     def _schedule(self, graph, computes: list[str]) -> Schedule:
         return schedule_from_computes(
-            graph, computes, protected=set(graph.input_grads) | set(graph.output_data),
-            keep_at_end=set(graph.output_data),
+            graph, computes, protected=set(graph.input_grads) | set(graph.held_outputs),
+            keep_at_end=set(graph.held_outputs),
         )
 
     def solve(self, chain: ModelChain, budget: int, *, start_schedule: Schedule | None = None) -> Plan:

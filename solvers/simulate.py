@@ -480,8 +480,8 @@ def simulate(
     schedule
         The operations to replay.
     keep_outputs
-        When True (a whole model), ``graph.output_data`` may never be forgotten: the user holds
-        the model's outputs. Their gradients are the executor's (the engine hands them over and
+        When True (a whole model), ``graph.held_outputs`` may never be forgotten: the user holds
+        the model's outputs (but those the step drops, ``CDGraph.dropped_outputs``). Their gradients are the executor's (the engine hands them over and
         lets go, :mod:`exec.runtime`), freed after their last use. Block options are simulated
         with False.
     initially_alive
@@ -512,7 +512,7 @@ def simulate(
     ops = schedule.ops if isinstance(schedule, Schedule) else list(schedule)
     inputs = set(graph.input_data)
     # the user holds the outputs (their gradients are the executor's, freed after their last use)
-    protected = set(inputs) | (set(graph.output_data) if keep_outputs else set())
+    protected = set(inputs) | (set(graph.held_outputs) if keep_outputs else set())
     alive: set[str] = set(inputs) | set(initially_alive or ())
     consumed: set[str] = set()
     forgotten_grads: set[str] = set()

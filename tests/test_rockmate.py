@@ -627,3 +627,49 @@ def test_a_model_that_returns_its_loss_is_planned_for_a_backward_from_that_loss(
         assert torch.equal(a.grad, b.grad)
     with pytest.raises(ValueError, match="output_gradients='some'"):
         Rockmate(copy.deepcopy(model), call, 10**9, output_gradients="some")
+
+
+def test_a_step_that_keeps_the_loss_alone_is_planned_without_the_logits():
+    """``held_outputs="loss"``: the step keeps the model's loss alone (``loss = model(**batch)["loss"]``,
+    as transformers' Trainer), so the plan frees the logits where it no longer needs them, as eager
+    does once the step drops them: the plan without recomputation predicts eager's peak of that
+    loop (not one logits-sized tensor above it), the minimum budget is a logits-sized tensor lower,
+    and at that minimum the loop trains bitwise within the plan. A loop that holds the outputs
+    anyway is warned about at its backward."""
+    torch.manual_seed(0)
+    model = _LanguageModelOutput()
+    call = {"ids": torch.randint(0, 128, (2, 16)), "labels": torch.randint(0, 128, (2, 16))}
+    logits_bytes = 2 * 16 * 128 * 4
+    reference = copy.deepcopy(model)
+
+    def dropping(module):
+        return lambda: module(**call)["loss"].backward()
+
+    for p in reference.parameters():
+        p.grad = torch.zeros_like(p)
+    eager = measure_allocator_peak(dropping(reference))
+    held = Rockmate(copy.deepcopy(model), call, 10**9, solver="none", cost_model="flops")
+    dropped = Rockmate(copy.deepcopy(model), call, 10**9, solver="none", cost_model="flops", held_outputs="loss")
+    assert held.plan.predicted_peak - dropped.plan.predicted_peak == logits_bytes
+    assert dropped.plan.predicted_peak <= eager <= dropped.plan.predicted_peak + LOSS_BYTES, \
+        (dropped.plan.predicted_peak, eager)
+    minimum = min_budget(copy.deepcopy(model), call, cost_model="flops", held_outputs="loss")
+    assert minimum <= min_budget(copy.deepcopy(model), call, cost_model="flops") - logits_bytes
+    compiled = Rockmate(model, call, minimum, cost_model="flops", held_outputs="loss")
+    for module in (reference, compiled):
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):  # (gradients accumulated over two steps)
+            dropping(reference)()
+            measured = measure_allocator_peak(dropping(compiled))
+            assert measured <= compiled.plan.predicted_peak + LOSS_BYTES, (measured, compiled.plan.predicted_peak)
+    for a, b in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    outputs = compiled(**call)
+    with pytest.warns(UserWarning, match=r"still holds output 1 \('linear_1', 16384 B\) at its backward.*"
+                                         r"held_outputs='all'"):
+        outputs["loss"].backward()
+    with pytest.raises(ValueError, match="held_outputs='logits'"):
+        Rockmate(copy.deepcopy(model), call, 10**9, held_outputs="logits")
