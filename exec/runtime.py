@@ -201,7 +201,7 @@ class _Handover:
     def __init__(self, names: Sequence[str], read_by_backward: frozenset[int] | None = None) -> None:
         self.grads: list[torch.Tensor | None] = [None] * len(names)
         self.versions: list[int] = []
-        self.names = names  # the outputs' fx names (for the error)
+        self.names = names  # the outputs' names in the user's terms (for the error)
         self.read_by_backward = read_by_backward  # None: any of them, for all we know
         # the outputs that the plan takes the step to drop (index, the user's tensor, weakly)
         self.dropped: list[tuple[int, weakref.ref]] = []
@@ -240,7 +240,7 @@ def _check_outputs_unchanged(handover: _Handover, outputs: Sequence[torch.Tensor
     for i, (output, version) in enumerate(zip(outputs, handover.versions)):
         if output._version != version and (handover.read_by_backward is None or i in handover.read_by_backward):
             raise RuntimeError(
-                f"Rockmate: output {i} of the compiled module ({handover.names[i]!r}) was modified by an in-place "
+                f"Rockmate: output {i} of the compiled module ({handover.names[i]}) was modified by an in-place "
                 "operation after the forward returned it, and the plan's backward reads its values (a backward "
                 "that saved it, or a recomputation): write a copy instead (out = out.clone() first, or an "
                 "out-of-place operation)")
@@ -300,7 +300,7 @@ def outputs_to_release(graph: SimplifiedGraph, read: set[str] | None, cdgraph, i
     return frozenset(released)
 
 
-def _warn_if_unplanned(grads: list[torch.Tensor | None], graph: SimplifiedGraph) -> None:
+def _warn_if_unplanned(grads: list[torch.Tensor | None], graph: SimplifiedGraph, labels: Sequence[str]) -> None:
     """Warn where the loss gave a gradient to an output that the plan counts none for (the model
     returns its own loss, from which alone the plan takes the backward to run: ``rockmate``'s
     ``output_gradients``). The executor passes it on as eager does: the gradients are exact, but
@@ -310,7 +310,7 @@ def _warn_if_unplanned(grads: list[torch.Tensor | None], graph: SimplifiedGraph)
     for i, (grad, name) in enumerate(zip(grads, graph.outputs)):
         if grad is not None and name in graph.outputs_without_gradient:
             warnings.warn(
-                f"Rockmate: the loss gave a gradient to output {i} ({name!r}, {grad.numel() * grad.element_size()} B) "
+                f"Rockmate: the loss gave a gradient to output {i} ({labels[i]}, {grad.numel() * grad.element_size()} B) "
                 "besides the model's own loss, from which alone the plan takes the backward to run: the gradients are "
                 "exact, but the step's peak may exceed the plan by up to that much; build with "
                 "output_gradients='all' to count it",
@@ -334,7 +334,7 @@ def _warn_if_held(handover: _Handover) -> None:
         output = reference()
         if output is not None:
             warnings.warn(
-                f"Rockmate: the step still holds output {i} ({handover.names[i]!r}, "
+                f"Rockmate: the step still holds output {i} ({handover.names[i]}, "
                 f"{output.untyped_storage().nbytes()} B) at its backward, which the plan (held_outputs='loss') takes it "
                 "to drop once the forward returns: the gradients are exact, but the step's peak may exceed the plan "
                 "by up to that much; drop it before the backward (loss = model(**batch).loss) or build with "
@@ -415,7 +415,7 @@ class _ScheduleFunction(torch.autograd.Function):
         # the outputs' gradients come from their gates (the engine passes None here)
         state.grad_outputs, ctx.handover.grads, ctx.handover = ctx.handover.grads, None, None
         _warn_if_shared(state.grad_outputs)
-        _warn_if_unplanned(state.grad_outputs, runner.module.graph)
+        _warn_if_unplanned(state.grad_outputs, runner.module.graph, runner.module.describe_outputs())
         try:
             with torch.enable_grad():
                 runner.code.backward_phase(state)
@@ -582,6 +582,9 @@ class CompiledModule(nn.Module):
         self._read_after_loss = _data_read_after_loss(schedule, cdgraph)
         self._read_by_backward = _outputs_read_by_backward(graph, self._read_after_loss, cdgraph)
         self._dropped = _dropped_outputs(graph, cdgraph)
+        # the outputs' places in the model's output structure (``out['logits']``), set by the
+        # caller that knows it (rockmate.Rockmate); None: named by their graph's names
+        self.output_labels: list[str] | None = None
         sample = as_input_tuple(sample)
         captured = graph.captured
         self._sample_signature = [
@@ -612,6 +615,13 @@ class CompiledModule(nn.Module):
         self.runner_for(sample)  # the code of the sample's pattern, generated now
         if self.device.type == "cuda":
             warm_engine_thread(self.device)
+
+    def describe_outputs(self) -> list[str]:
+        """Each output as errors and warnings name it: its place in the model's output structure
+        (``out['logits']``) where known, else its name in the captured graph."""
+        if self.output_labels is not None:
+            return self.output_labels
+        return [repr(name) for name in self.graph.outputs]
 
     def _owner_of(self, path: str) -> tuple[nn.Module, str]:
         module_path, _, attribute = path.rpartition(".")
@@ -723,7 +733,7 @@ class CompiledModule(nn.Module):
         tensors = [value for value in args if isinstance(value, torch.Tensor)]
         runner = self.runner_for(args, parameters)
         self._bind_globals(runner, parameters, buffers)
-        handover = _Handover(self.graph.outputs, self._read_by_backward)
+        handover = _Handover(self.describe_outputs(), self._read_by_backward)
         state = runner.new_state([*parameters, *buffers, *self.graph.captured.constants.values()])
         outputs = list(_ScheduleFunction.apply(runner, handover, state, *tensors, *parameters))
         handover.versions = [output._version for output in outputs]

@@ -162,6 +162,11 @@ def _build_graphs(model: nn.Module, sample, build_options: BuildOptions) -> Mode
                      held_outputs=build_options.held_outputs)
 
 
+def _output_paths(spec: pytree.TreeSpec) -> list[tuple]:
+    """The pytree path of each leaf of an output structure of spec ``spec``."""
+    return [path for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]]
+
+
 def _model_loss_index(captured: CapturedGraph, model: nn.Module) -> int | None:
     """The index among the model's outputs of the loss it returns (:attr:`CallSignature.loss_index`),
     or None: the model's output structure, from the call's signature for a model called with
@@ -171,7 +176,7 @@ def _model_loss_index(captured: CapturedGraph, model: nn.Module) -> int | None:
     spec = captured.out_spec
     if spec is None:
         return None
-    paths = [path for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]]
+    paths = _output_paths(spec)
     nodes = {node.name: node for node in captured.graph.nodes}
     return loss_entry_index(paths, [nodes[name].meta.get("val") if name in nodes else None
                                     for name in captured.user_outputs])
@@ -265,6 +270,10 @@ class Rockmate(nn.Module):
             module, self.graphs.simplified, plan.schedule, flat_sample,
             cdgraph=whole, peak_limit=plan.predicted_peak - plan.held_bytes, first_run_bytes=plan.first_run_bytes,
         )
+        # the outputs named in the model's structure in errors and warnings (``out['logits']``)
+        spec = self.signature.out_spec if isinstance(module, FlatModel) else self.graphs.captured.out_spec
+        if spec is not None and spec.num_leaves == len(self.graphs.simplified.outputs):
+            self.compiled.output_labels = ["out" + pytree.keystr(path) for path in _output_paths(spec)]
         # what the captured graph holds of the model (a change plans again: _variant)
         self._state = ModelState.of(model, captured_in_train_mode=not model.training)
         # ``rk.forward`` with the model's signature (tools that pass a model only the arguments
