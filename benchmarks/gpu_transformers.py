@@ -9,7 +9,11 @@ CUDA, the profiler's allocation events on CPU), whether the loss and every gradi
 eager's, and the planning time. Runs on whatever transformers is installed (the GPU machines
 have 5.x, as the tests since the twenty-fourth session: 5.17.0).
 
-    python benchmarks/gpu_transformers.py llama,bart,swin [--out rows.jsonl]
+    python benchmarks/gpu_transformers.py llama,bart,swin [--out rows.jsonl] [--held-outputs loss]
+
+The step keeps the loss alone (``loss = model(**call).loss``, transformers' Trainer);
+``--held-outputs loss`` builds with ``held_outputs="loss"``, which plans for that (the default
+plans for a step that holds the outputs too).
 """
 
 from __future__ import annotations
@@ -70,8 +74,8 @@ def _peak(model, call: dict, seed: int) -> int:
     return measure_allocator_peak(step, device=DEVICE)
 
 
-def check(name: str) -> dict:
-    row: dict = dict(model=name, device=DEVICE)
+def check(name: str, held_outputs: str = "all") -> dict:
+    row: dict = dict(model=name, device=DEVICE, held_outputs=held_outputs)
     torch.manual_seed(0)
     model, call = tt.MODELS[name]()
     model, call = model.to(DEVICE).train(), _to_device(call)
@@ -81,10 +85,10 @@ def check(name: str) -> dict:
         budget = int(peak * fraction)
         start = time.perf_counter()
         try:
-            compiled = Rockmate(copy.deepcopy(model), call, budget)
+            compiled = Rockmate(copy.deepcopy(model), call, budget, held_outputs=held_outputs)
         except InfeasibleBudget as error:
             budget = error.minimum
-            compiled = Rockmate(copy.deepcopy(model), call, budget)
+            compiled = Rockmate(copy.deepcopy(model), call, budget, held_outputs=held_outputs)
         plan_s = time.perf_counter() - start
         reference = copy.deepcopy(model)
         measured, bitwise = [], True
@@ -100,6 +104,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", help="comma-separated names of tests/test_transformers.py's MODELS")
     parser.add_argument("--out", default=None, help="append the rows (JSON lines) to this file")
+    parser.add_argument("--held-outputs", default="all", choices=["all", "loss"],
+                        help="Rockmate's held_outputs (the step keeps the loss alone either way)")
     args = parser.parse_args()
     import transformers
 
@@ -107,7 +113,7 @@ def main() -> None:
     out = open(args.out, "a") if args.out else None
     for name in args.models.split(","):
         try:
-            row = check(name)
+            row = check(name, args.held_outputs)
         except Exception as error:  # noqa: BLE001 a row that says what failed, and the next model
             traceback.print_exc()
             row = dict(model=name, error=f"{type(error).__name__}: {str(error)[:400]}")
