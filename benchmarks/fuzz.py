@@ -48,10 +48,14 @@ def main() -> None:
     parser.add_argument("--loss-inside", action="store_true",
                         help="the models return their own loss ({'loss': ..., 'outputs': ...}, as transformers' "
                              "models called with labels), the step's backward from it alone")
+    parser.add_argument("--held-outputs", choices=["all", "loss"], default="all",
+                        help="Rockmate's held_outputs; 'loss': every step (eager's too) keeps the loss alone")
     args = parser.parse_args()
     extra = {} if args.max_block_nodes is None else {"max_block_nodes": args.max_block_nodes}
     if args.loss_inside:
         extra["loss_inside"] = True
+    if args.held_outputs != "all":
+        extra["held_outputs"] = args.held_outputs
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     outcomes: collections.Counter = collections.Counter()

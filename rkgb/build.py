@@ -323,6 +323,11 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
                          until=None if viewed else delivery(graph.node(first).main.name))
         for reader in contributing:
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(total)
+    # the outputs that the user's loss gives a gradient (not those that the model's own loss
+    # reaches, output_gradients="auto": a returned input among them gets none from the loss;
+    # fuzz seed 277, a returned input read by the model's loss, whose gradient the plan took to
+    # come first from the loss, a dense sum that a later contribution was added into in place)
+    graded = set(graph.gradient_outputs)
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
             continue
@@ -366,11 +371,11 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
                 continue
             # (a view of the input alone that the user gets: the loss's contribution opens its
             # group, as exec.codegen makes it from the group's alias)
-            returned[view] = int(view in graph.outputs) if len(captured_lines[view].all_input_nodes) == 1 else 0
+            returned[view] = int(view in graded) if len(captured_lines[view].all_input_nodes) == 1 else 0
             if view_readers or returned[view]:
                 grouped[view] = view_readers
         for line in graph.global_views:  # a view of the input that the user gets, made once
-            if line.name in graph.outputs and line.name not in returned and \
+            if line.name in graded and line.name not in returned and \
                     [arg.name for arg in line.all_input_nodes] == [name] and len(tensor_args(line)) == 1:
                 returned[line.name] = 1
                 grouped[line.name] = []
@@ -389,7 +394,7 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
                     result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(grad)
         # an output that is the input (or a view of it): the loss gives the input a gradient
         # (a tensor returned several times gets one gradient: :func:`_loss_contributions`)
-        outputs = sum(graph.owner.get(output) == name for output in set(graph.outputs)) - \
+        outputs = sum(graph.owner.get(output) == name for output in graded) - \
             sum(returned[view] for view in grouped)
         result.setdefault("loss", []).extend([grad] * outputs)
         # a group's sum is the input's gradient where it is the only way the gradient comes

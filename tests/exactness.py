@@ -93,33 +93,39 @@ class DotLoss:
                    if w is not None and o.requires_grad and not o.is_contiguous())
 
 
-def _step(module, sample, loss, result: dict):
+def _step(module, sample, loss, result: dict, drop: bool = False):
+    """One training step; ``drop``: it keeps the loss alone, the outputs dropped before the
+    backward (``held_outputs="loss"``), and its outputs are that loss."""
     def step():
         inputs = tuple(x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
                        for x in sample)
         outputs = module(*inputs)
         value = loss(outputs)
+        if drop:
+            outputs = None if value is None else (value.detach(),)
         if value is not None:
             value.backward()
-        result["outputs"] = _flat(outputs)
+        result["outputs"] = _flat(outputs) if outputs is not None else []
         result["input_grads"] = [x.grad if isinstance(x, torch.Tensor) else None for x in inputs]
 
     return step
 
 
-def eager_peak(model, sample, loss) -> int:
+def eager_peak(model, sample, loss, drop: bool = False) -> int:
     """The allocator's peak of one eager training step (after a warm-up step), with the
-    parameters' gradients allocated as after a first step."""
-    return step_peak(copy.deepcopy(model), sample, loss)
+    parameters' gradients allocated as after a first step; ``drop``: a step that keeps the loss
+    alone."""
+    return step_peak(copy.deepcopy(model), sample, loss, drop)
 
 
-def step_peak(module, sample, loss) -> int:
+def step_peak(module, sample, loss, drop: bool = False) -> int:
     """The allocator's peak of one training step of ``module`` (eager, or a compiled one) after
-    a warm-up step, with the parameters' gradients allocated as after a first step."""
+    a warm-up step, with the parameters' gradients allocated as after a first step; ``drop``: a
+    step that keeps the loss alone."""
     for p in module.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    step = _step(module, sample, loss, {})
+    step = _step(module, sample, loss, {}, drop)
     step()
     return measure_allocator_peak(step, device=_device_of(sample))
 
@@ -136,7 +142,7 @@ class CheckReport:
     at_minimum: bool
 
 
-def _train(module, params, sample, loss, steps: int, seed: int):
+def _train(module, params, sample, loss, steps: int, seed: int, drop: bool = False):
     trained = [p for p in params if p.requires_grad]
     optimizer = torch.optim.SGD(trained, lr=0.05) if trained else None
     torch.manual_seed(seed)
@@ -145,7 +151,7 @@ def _train(module, params, sample, loss, steps: int, seed: int):
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=False)
         result: dict = {}
-        peak = measure_allocator_peak(_step(module, sample, loss, result), device=_device_of(sample))
+        peak = measure_allocator_peak(_step(module, sample, loss, result, drop), device=_device_of(sample))
         outputs = [o.detach().clone() for o in result["outputs"]]
         grads = [None if p.grad is None else p.grad.clone() for p in params]
         history.append((outputs, grads, result["input_grads"], peak))
@@ -165,7 +171,9 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
     tightest plan: the hardest case), otherwise returns None. ``options`` go to ``Rockmate``
     (``cost_model="flops"`` by default: deterministic plans). ``loss``: the step's loss of the
     outputs (default: a :class:`DotLoss` of every output; :func:`model_loss` for a model that
-    returns its own).
+    returns its own). With ``held_outputs="loss"`` among the options, the steps keep the loss
+    alone (the outputs dropped before the backward, as the plan takes them to be) and compare it
+    in place of the outputs.
     """
     from rockmate import InfeasibleBudget, Rockmate
 
@@ -183,7 +191,8 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
         slack = loss_bytes(device) + loss.copies(probe)
     else:
         slack = loss_bytes(device)
-    eager = eager_peak(model, sample, loss)
+    drop = options.get("held_outputs") == "loss"
+    eager = eager_peak(model, sample, loss, drop)
     budget = max(1, int(eager * fraction))
     minimum = False
     try:
@@ -201,8 +210,8 @@ def check_training(model, sample, fraction: float, solver: str = "rockmate", *, 
     # accumulation (a .grad that holds values): these steps zero the gradients, nothing is summed
     shared = sum(parameter_sums(compiled.plan.first_run_bytes).values())
     params = list(model.parameters())
-    expected = _train(reference, list(reference.parameters()), sample, loss, steps, 1)
-    got = _train(compiled, params, sample, loss, steps, 1)
+    expected = _train(reference, list(reference.parameters()), sample, loss, steps, 1, drop)
+    got = _train(compiled, params, sample, loss, steps, 1, drop)
     peaks = []
     for step, ((out_e, grad_e, in_e, _), (out_g, grad_g, in_g, peak)) in enumerate(zip(expected, got)):
         for i, (a, b) in enumerate(zip(out_e, out_g)):

@@ -407,7 +407,8 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
     predicts no more than eager's allocator peak (its outputs held through the step), and the
     solver's minimum is no more than that plan's peak. AssertionError otherwise, with the
     program's source. ``loss_inside``: the model returns its own loss (:func:`with_loss_inside`),
-    the step's backward is from it alone (``output_gradients="auto"``).
+    the step's backward is from it alone (``output_gradients="auto"``). With
+    ``held_outputs="loss"`` among the options, every step keeps the loss alone (eager's too).
     """
     from exactness import DotLoss, check_training, eager_peak, model_loss, step_peak
     from rockmate import CaptureError, Rockmate, UnsupportedOperation, min_budget
@@ -429,21 +430,22 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         probe = copy.deepcopy(model)(x)
     loss = model_loss if loss_inside else DotLoss(probe)
+    drop = options.get("held_outputs") == "loss"
     try:
-        eager = eager_peak(model, (x,), loss)
+        eager = eager_peak(model, (x,), loss, drop)
     except RuntimeError as error:  # eager cannot train it either (a saved buffer written again)
         result.outcome = "eager_fails"
         result.notes.append(str(error))
         return result
     try:
-        build = {key: value for key, value in options.items() if key in ("cost_model", "max_block_nodes")}
+        build = {key: value for key, value in options.items() if key in ("cost_model", "max_block_nodes", "held_outputs")}
         none = Rockmate(copy.deepcopy(model), x, 10**12, solver="none", **build)
     except (CaptureError, UnsupportedOperation) as error:
         result.outcome = "unsupported"
         result.notes.append(str(error))
         return result
     result.no_recompute_peak, result.eager_peak = none.plan.predicted_peak, eager
-    result.no_recompute_measured = step_peak(none, (x,), loss)
+    result.no_recompute_measured = step_peak(none, (x,), loss, drop)
     # the executor matches eager's memory but where an island's engine call holds more at once
     # than eager's engine does (a leaf read twice, merged islands): at most two tensors more
     tensor = max((o.size_bytes for n in none.graphs.simplified.nodes for o in n.outputs), default=0)
