@@ -40,6 +40,9 @@ class ModelGraphs:
     model_chain: ModelChain
     phase_seconds: dict[str, float] = field(default_factory=dict)
     measures_from_cache: bool = False  # the measures were read from a MeasureCache
+    # the data nodes that a step keeping the model's loss alone drops: the last block's outputs
+    # but the loss (``ModelChain.dropped_outputs`` with held_outputs="loss")
+    droppable_outputs: list[str] = field(default_factory=list)
 
 
 def cdgraph_of_class(measure: BlockMeasure) -> CDGraph:
@@ -728,14 +731,14 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
                              early_without_gradient=[dname(name, DataKind.DATA) for name in early
                                                      if name not in graded],
                              early_contributions=_early_output_contributions(simplified, early, needs))
+    # (the data of a node that the loss is, or a view of, stays: the user holds the loss)
+    kept = simplified.owner.get(loss_name, loss_name) if loss_name is not None else None
+    droppable = [dname(name, DataKind.DATA) for name in simplified.output_owners if name in last_nodes and name != kept]
     if held_outputs == "loss":
-        # (the data of a node that the loss is, or a view of, stays: the user holds the loss)
-        kept = simplified.owner.get(loss_name, loss_name) if loss_name is not None else None
-        model_chain.dropped_outputs = [dname(name, DataKind.DATA) for name in simplified.output_owners
-                                       if name in last_nodes and name != kept]
+        model_chain.dropped_outputs = droppable
     computes = {c.name for c in model_chain.whole_graph().compute_nodes}
     entries = first_run_bytes(simplified, model, sample, grad_accumulation, needs)
     model_chain.first_run_bytes = {name: entries for name, entries in _input_grad_aliases(entries, measures, instances, simplified).items()
                                    if name in computes}  # the backwards of nodes without grad do not run
     seconds["cdgraph"] = time.perf_counter() - clock
-    return ModelGraphs(captured, simplified, chain, measures, model_chain, seconds, from_cache)
+    return ModelGraphs(captured, simplified, chain, measures, model_chain, seconds, from_cache, droppable)

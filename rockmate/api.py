@@ -162,6 +162,19 @@ def _build_graphs(model: nn.Module, sample, build_options: BuildOptions) -> Mode
                      held_outputs=build_options.held_outputs)
 
 
+def _held_outputs_hint(graphs: ModelGraphs, build_options: BuildOptions) -> str:
+    """Where the plan counts the model's last outputs held through the step (``held_outputs="all"``),
+    the option that frees them, for a step that keeps the loss alone; else nothing."""
+    whole = graphs.model_chain.whole_graph()
+    droppable = sum(whole.size(d) for d in graphs.droppable_outputs if whole.has_data(d))
+    if build_options.held_outputs != "all" or not droppable:
+        return ""
+    return (f"; the plan counts the model's outputs held through the step ({droppable} bytes, "
+            f"{format_bytes(droppable)}, of its last block's): if the step keeps the loss alone (loss = "
+            "model(**batch).loss, as transformers' Trainer does, or loss = loss_fn(model(x), y)), "
+            "held_outputs='loss' plans without them")
+
+
 def _output_paths(spec: pytree.TreeSpec) -> list[tuple]:
     """The pytree path of each leaf of an output structure of spec ``spec``."""
     return [path for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(spec.num_leaves)), spec))[0]]
@@ -255,7 +268,8 @@ class Rockmate(nn.Module):
             if baseline is None:
                 baseline = registry.no_recompute_peak(self.graphs.model_chain)
             raise InfeasibleBudget(budget_bytes, plan.min_budget, plan.solver, floor, operation,
-                                   asked=None if fraction is None else budget, baseline=baseline)
+                                   asked=None if fraction is None else budget, baseline=baseline,
+                                   hint=_held_outputs_hint(self.graphs, build_options))
         if fraction is not None:
             plan.notes.append(f"budget {budget!r}: {budget_bytes} B, {fraction:.0%} of the {baseline} B "
                               f"({format_bytes(baseline)}) that the plan without recomputation peaks at")

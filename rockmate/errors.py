@@ -18,9 +18,10 @@ class InfeasibleBudget(ValueError):
     """
 
     def __init__(self, budget: int, minimum: int | None, solver: str, floor: int | None = None,
-                 floor_operation: str = "", asked=None, baseline: int | None = None) -> None:
+                 floor_operation: str = "", asked=None, baseline: int | None = None, hint: str = "") -> None:
         """``asked``: the budget as the user gave it where it was a fraction; ``baseline``: the
-        peak without recomputation (bytes), which the message compares the minimum with."""
+        peak without recomputation (bytes), which the message compares the minimum with;
+        ``hint``: an option that may lower the minimum, said at the message's end."""
         self.budget = budget
         self.minimum = minimum
         self.solver = solver
@@ -43,4 +44,4 @@ class InfeasibleBudget(ValueError):
             detail += (f"; no plan that runs the model's operations as eager PyTorch does goes below {floor} "
                        f"bytes ({format_bytes(floor)}), which {floor_operation or 'one operation'} needs on its own "
                        "(with the gradients alive at that point): below it, recomputation cannot help")
-        super().__init__(f"budget of {budget} bytes ({format_bytes(budget)}){given} is infeasible: {detail}")
+        super().__init__(f"budget of {budget} bytes ({format_bytes(budget)}){given} is infeasible: {detail}{hint}")

@@ -655,6 +655,10 @@ def test_a_step_that_keeps_the_loss_alone_is_planned_without_the_logits():
         (dropped.plan.predicted_peak, eager)
     minimum = min_budget(copy.deepcopy(model), call, cost_model="flops", held_outputs="loss")
     assert minimum <= min_budget(copy.deepcopy(model), call, cost_model="flops") - logits_bytes
+    # (the default's refusal of that budget names the option)
+    with pytest.raises(InfeasibleBudget, match=rf"outputs held through the step \({logits_bytes} bytes.*"
+                                               r"held_outputs='loss' plans without them"):
+        Rockmate(copy.deepcopy(model), call, minimum, cost_model="flops")
     compiled = Rockmate(model, call, minimum, cost_model="flops", held_outputs="loss")
     for module in (reference, compiled):
         for p in module.parameters():
