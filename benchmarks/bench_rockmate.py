@@ -7,6 +7,10 @@ With ``--device cuda`` the model runs on the GPU: peaks are ``torch.cuda.max_mem
 and each step's time is taken after ``torch.cuda.synchronize``.
 
     .venv/bin/python benchmarks/bench_rockmate.py [--preset bench] [--steps 20] [--warmup 5] [--device cuda]
+                                                  [--held-outputs loss]
+
+The step keeps the loss alone (``loss_fn(rk(x)).backward()``); ``--held-outputs loss`` plans for that
+(``held_outputs="loss"``), the default for a step that holds the outputs too.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5])
     parser.add_argument("--solver", default="rockmate")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--held-outputs", default="all", choices=["all", "loss"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, sample = ZOO["gpt"].build(args.preset, device=args.device)
@@ -95,7 +100,7 @@ def main() -> None:
     for fraction in args.fractions:
         budget = int(eager_peak * fraction)
         start = time.perf_counter()
-        compiled = Rockmate(model, sample, budget, solver=args.solver)
+        compiled = Rockmate(model, sample, budget, solver=args.solver, held_outputs=args.held_outputs)
         plan_s = time.perf_counter() - start
         measured_peak = _step(compiled, sample, True)[1]
         for _ in range(args.warmup):  # the heap settles over the first steps (glibc, caches)
