@@ -677,3 +677,11 @@ def test_a_step_that_keeps_the_loss_alone_is_planned_without_the_logits():
         outputs["loss"].backward()
     with pytest.raises(ValueError, match="held_outputs='logits'"):
         Rockmate(copy.deepcopy(model), call, 10**9, held_outputs="logits")
+    # a model that returns a tuple (loss, logits): its scalar outputs count held (the loss among them)
+    args = (call["ids"], call["labels"])
+    held = Rockmate(_LanguageModel(), args, 10**9, solver="none", cost_model="flops")
+    dropped = Rockmate(_LanguageModel(), args, 10**9, solver="none", cost_model="flops", held_outputs="loss")
+    assert held.plan.predicted_peak - dropped.plan.predicted_peak == logits_bytes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dropped(*args)[0].backward()
