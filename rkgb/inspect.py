@@ -410,12 +410,11 @@ def _take_larger(given: BlockMeasure, without: BlockMeasure) -> None:
     figures (the other's are empty) and is marked optional."""
     for mine, theirs in zip(given.nodes, without.nodes):
         mine.optional_backward = mine.backward_ran and not theirs.backward_ran
-        handoff = [m.handoff_overhead_bytes for m in (mine, theirs) if m.handoff_overhead_bytes is not None]
-        if handoff:
-            handoff = [m.backward_overhead_bytes if m.handoff_overhead_bytes is None else m.handoff_overhead_bytes
-                       for m in (mine, theirs)]
+        if mine.handoff_overhead_bytes is not None or theirs.handoff_overhead_bytes is not None:
+            # (None: as without the hand-off)
+            mine.handoff_overhead_bytes = max(m.backward_overhead_bytes if m.handoff_overhead_bytes is None
+                                              else m.handoff_overhead_bytes for m in (mine, theirs))
         mine.backward_overhead_bytes = max(mine.backward_overhead_bytes, theirs.backward_overhead_bytes)
-        mine.handoff_overhead_bytes = max(handoff) if handoff else None
         for dep in set(mine.grad_shared) | set(theirs.grad_shared):
             # (a part is fresh, shared but freed with the gradient, or shared: the larger)
             shared = sorted(set(mine.grad_shared.get(dep, [])) | set(theirs.grad_shared.get(dep, [])))
