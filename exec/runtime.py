@@ -13,7 +13,6 @@ engine call and no leaf between them.
 from __future__ import annotations
 
 import warnings
-import weakref
 from typing import Sequence
 
 import torch
@@ -203,8 +202,8 @@ class _Handover:
         self.versions: list[int] = []
         self.names = names  # the outputs' names in the user's terms (for the error)
         self.read_by_backward = read_by_backward  # None: any of them, for all we know
-        # the outputs that the plan takes the step to drop (index, the user's tensor, weakly)
-        self.dropped: list[tuple[int, weakref.ref]] = []
+        # the outputs that the plan takes the step to drop, and the executor let go of
+        self.dropped: list[tuple[int, _StorageWatch]] = []
 
 
 class _OutputGate(torch.autograd.Function):
@@ -319,26 +318,44 @@ def _warn_if_unplanned(grads: list[torch.Tensor | None], graph: SimplifiedGraph,
             return
 
 
-def _dropped_outputs(graph: SimplifiedGraph, cdgraph) -> list[int]:
+def _dropped_outputs(graph: SimplifiedGraph, cdgraph, released: frozenset[str]) -> list[int]:
     """The indices of the outputs that the plan takes the step to drop once the forward returns
-    them (``CDGraph.dropped_outputs``: ``rockmate``'s ``held_outputs="loss"``)."""
+    them (``CDGraph.dropped_outputs``: ``rockmate``'s ``held_outputs="loss"``) and that the
+    executor lets go of then (``released``: :func:`outputs_to_release`)."""
     dropped = set(getattr(cdgraph, "dropped_outputs", ()))
-    return [i for i, name in enumerate(graph.outputs)
-            if data_name(graph.owner.get(name, name), DataKind.DATA) in dropped]
+    return [i for i, name in enumerate(graph.outputs) if graph.owner.get(name, name) in released
+            and data_name(graph.owner.get(name, name), DataKind.DATA) in dropped]
+
+
+class _StorageWatch:
+    """Whether a tensor's storage is still alive, without holding it (a weak reference to the
+    storage: the user's tensor keeps it, or a view of it that the user keeps)."""
+
+    __slots__ = ("handle", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.handle, self.nbytes = storage._weak_ref(), storage.nbytes()
+
+    def alive(self) -> bool:
+        return not torch.UntypedStorage._expired(self.handle)
+
+    def __del__(self) -> None:
+        torch.UntypedStorage._free_weak_ref(self.handle)
 
 
 def _warn_if_held(handover: _Handover) -> None:
-    """Warn where the user still holds, at the backward, an output that the plan takes the step
-    to have dropped (its memory is not in the plan after the forward; the gradients are exact)."""
-    for i, reference in handover.dropped:
-        output = reference()
-        if output is not None:
+    """Warn where an output that the plan takes the step to have dropped is still alive at the
+    backward (the user holds it, or a view of it): its memory is not in the plan after the
+    forward; the gradients are exact. (A tensor that the loss saved for its own backward is
+    freed by that backward, which runs before the model's.)"""
+    for i, watch in handover.dropped:
+        if watch.alive():
             warnings.warn(
-                f"Rockmate: the step still holds output {i} ({handover.names[i]}, "
-                f"{output.untyped_storage().nbytes()} B) at its backward, which the plan (held_outputs='loss') takes it "
-                "to drop once the forward returns: the gradients are exact, but the step's peak may exceed the plan "
-                "by up to that much; drop it before the backward (loss = model(**batch).loss) or build with "
-                "held_outputs='all'",
+                f"Rockmate: the step still holds output {i} ({handover.names[i]}, {watch.nbytes} B) at its backward, "
+                "which the plan (held_outputs='loss') takes it to drop once the forward returns: the gradients are "
+                "exact, but the step's peak may exceed the plan by up to that much; drop it (and its views) before "
+                "the backward (loss = model(**batch).loss) or build with held_outputs='all'",
                 stacklevel=3,
             )
             return
@@ -482,6 +499,9 @@ class _Runner:
             "restore_grad": _restore_grad,
             "mark": torch.profiler.record_function,
         }
+        released = outputs_to_release(graph, module._read_after_loss, module.cdgraph, self.infos)
+        # (those that the plan takes the step to drop: checked at the backward, _warn_if_held)
+        self.dropped_outputs = _dropped_outputs(graph, module.cdgraph, released)
         self.merged = plan_merges(graph, module.schedule, self.infos, module.cdgraph, module.peak_limit,
                                   module.first_run_bytes) if module.merge_islands else {}
         self.code: GeneratedCode = generate(
@@ -489,7 +509,7 @@ class _Runner:
             aliased_parameters=aliased,
             trained_parameters={name for (name, _, _), flag in zip(module._parameter_refs, parameter_requires_grad)
                                 if flag},
-            released_outputs=outputs_to_release(graph, module._read_after_loss, module.cdgraph, self.infos),
+            released_outputs=released,
         )
         self.module = module
 
@@ -581,7 +601,6 @@ class CompiledModule(nn.Module):
         # the data nodes that the computations after the loss read (one pass over the schedule)
         self._read_after_loss = _data_read_after_loss(schedule, cdgraph)
         self._read_by_backward = _outputs_read_by_backward(graph, self._read_after_loss, cdgraph)
-        self._dropped = _dropped_outputs(graph, cdgraph)
         # the outputs' places in the model's output structure (``out['logits']``), set by the
         # caller that knows it (rockmate.Rockmate); None: named by their graph's names
         self.output_labels: list[str] | None = None
@@ -746,7 +765,7 @@ class CompiledModule(nn.Module):
                 outputs[i] = returned[name]
             else:
                 returned[name] = outputs[i] = _OutputGate.apply(output, handover, i) if output.requires_grad else output
-        handover.dropped = [(i, weakref.ref(outputs[i])) for i in self._dropped]
+        handover.dropped = [(i, _StorageWatch(outputs[i])) for i in runner.dropped_outputs]
         if self.graph.captured.output_is_tuple:
             return tuple(outputs)
         return outputs[0]

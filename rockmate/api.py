@@ -75,8 +75,9 @@ class BuildOptions:
     y)``): the plan frees the outputs made by the model's last block (the logits) where it no
     longer needs them, as eager frees them once the step drops them, and a smaller budget fits.
     A step that still holds one at its backward is warned about (its gradients are exact, its
-    memory may go over the plan by that output). Outputs made before the last block (hidden
-    states) are counted held either way.
+    memory may go over the plan by that output; a view of it held counts, and a tensor that the
+    loss saved for its own backward does not: that backward frees it before the model's runs).
+    Outputs made before the last block (hidden states) are counted held either way.
     """
 
     cost_model: str = "measured"

@@ -675,6 +675,12 @@ def test_a_step_that_keeps_the_loss_alone_is_planned_without_the_logits():
     with pytest.warns(UserWarning, match=r"still holds output 1 \(out\['logits'\], 16384 B\) at its backward.*"
                                          r"held_outputs='all'"):
         outputs["loss"].backward()
+    # (a view of it held keeps it too)
+    outputs = compiled(**call)
+    loss, last_position = outputs["loss"], outputs["logits"][:, -1]
+    del outputs
+    with pytest.warns(UserWarning, match=r"still holds output 1 \(out\['logits'\], 16384 B\)"):
+        loss.backward()
     with pytest.raises(ValueError, match="held_outputs='logits'"):
         Rockmate(copy.deepcopy(model), call, 10**9, held_outputs="logits")
     # a model that returns a tuple (loss, logits): its scalar outputs count held (the loss among them)
