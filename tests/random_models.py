@@ -458,6 +458,9 @@ def check_program(program: Program, fraction: float, solver: str = "rockmate", s
     statistics = sum(entry.bytes for entries in none.plan.first_run_bytes.values() for entry in entries
                      if entry.until_loss)
     copies = 0 if loss_inside else loss.copies(probe)
+    if drop:  # (the outputs made before the last block count held with held_outputs="loss" too)
+        whole = none.graphs.model_chain.whole_graph()
+        copies += sum(whole.size(d) for d in none.graphs.model_chain.early_outputs if whole.has_data(d))
     # (an output that the model's loss does not read, nor its backward reach, counts a gradient
     # from the user and its backward all the same, output_gradients: not compared with eager)
     assert (loss_inside and model.unread) or none.plan.predicted_peak <= eager + copies + 2 * tensor + statistics, (
