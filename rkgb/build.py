@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from .blocks import INPUT_NAME, SIDE_PREFIX, Block, BlockClass, Chain, cut_chain
 from .capture import CapturedGraph, as_input_tuple, capture, device_of
 from .cdgraph import BlockInstance, CDGraph, ComputeKind, ComputeNode, DataKind, DataNode, FirstRun, ModelChain
-from .cdgraph import input_grad_key, input_views_key, parameter_sum_key
+from .cdgraph import input_grad_key, input_views_key, parameter_sum_key, views_key_input
 from .cdgraph import compute_name as cname
 from .cdgraph import data_name as dname
 from .disk_cache import source_digest
@@ -326,12 +326,11 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
                          until=None if viewed else delivery(graph.node(first).main.name))
         for reader in contributing:
             result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(total)
-    # (every output, those that the model's own loss reaches too, output_gradients="auto": a
-    # returned input that the loss reads gets no gradient from it, but counting only the others
-    # left the input's gradient to its view groups' joins, which the simulator then under-counted
-    # (fuzz seed 283, 256 B above the plan); counted so, a later contribution can be taken to add
-    # in place where the step makes a new sum (fuzz seed 277, 1196 B above, open: Known limits)
-    graded = set(graph.outputs)
+    # the outputs that the user's loss gives a gradient (not those that the model's own loss
+    # reaches, output_gradients="auto": a returned input among them gets none from the loss;
+    # fuzz seed 277, a returned input read by the model's loss, whose gradient the plan took to
+    # come first from the loss, a dense sum that a later contribution was added into in place)
+    graded = set(graph.gradient_outputs)
     for name, value in zip(graph.captured.inputs, args):
         if name is None or not (isinstance(value, torch.Tensor) and value.requires_grad):
             continue
@@ -407,9 +406,10 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
         # buffer for the input's views, as a group's sum joins the input's gradient before the
         # next group's first contribution)
         alone = len(grouped) == 1 and outputs == 0 and not any(direct.values()) and not summed
+        apart = _overlapping_groups(graph, grouped, returned, needs)
         for view, view_readers in grouped.items():
-            key = grad if alone else FirstRun(input_views_key(name), size, accumulates=True,
-                                              delivery=delivery(view))
+            key = grad if alone else FirstRun(input_views_key(name, view if view in apart else None), size,
+                                              accumulates=True, delivery=delivery(view))
             result.setdefault("loss", []).extend([key] * returned[view])
             for reader in view_readers:
                 result.setdefault(cname(reader, ComputeKind.BACKWARD), []).append(key)
@@ -423,6 +423,26 @@ def first_run_bytes(graph: SimplifiedGraph, model: nn.Module, sample, grad_accum
     result = {name: [e for i, e in enumerate(entries) if e.accumulates or e not in entries[:i]]
               for name, entries in result.items()}
     return {name: tuple(entries) for name, entries in result.items() if entries}
+
+
+def _overlapping_groups(graph: SimplifiedGraph, grouped: dict[str, list], returned: dict[str, int],
+                        needs: dict) -> set[str]:
+    """The views of one model input whose groups are open together in the backward (a group opens
+    at the first of its contributions, the backward of its last reader or the loss, and joins the
+    input's gradient at its delivery, :func:`first_run_bytes`; the backwards run in the reverse
+    order of the nodes): each gets a buffer of its own (fuzz seed 283: a second group's first
+    contribution came before the first group joined, and was taken to be added into it)."""
+    order = {node.name: i for i, node in enumerate(graph.nodes)}
+    spans: dict[str, tuple[int, int]] = {}
+    for view, view_readers in grouped.items():
+        starts = [order[reader] for reader in view_readers] + ([len(order)] if returned[view] else [])
+        if not starts:
+            continue
+        node = graph.last_node_before(view, lambda name: needs[name].requires_grad)
+        spans[view] = (order[node.name] if node is not None else -1, max(starts))
+    return {view for view, (end, start) in spans.items()
+            if any(other != view and max(end, other_end) < min(start, other_start)
+                   for other, (other_end, other_start) in spans.items())}
 
 
 def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, blocks: list[BlockInstance],
@@ -454,7 +474,7 @@ def _input_grad_aliases(entries: dict[str, tuple[FirstRun, ...]], measures, bloc
                 # that the executor sums apart, in the views' group: where every contribution
                 # is alike, which one is which does not matter)
                 views = [i for i, entry in enumerate(result.get(name, ()))
-                         if entry.key == input_views_key(same.get(input_name, input_name))]
+                         if views_key_input(entry.key) == same.get(input_name, input_name)]
                 if len(own) < len(sources) == len(own) + len(views) and \
                         len(set(zip(sources, owned, groups))) == 1:
                     own = sorted(own + views)

@@ -498,15 +498,20 @@ def input_grad_key(name: str) -> str:
     return name + _GRAD
 
 
-def input_views_key(name: str) -> str:
+def input_views_key(name: str, view: str | None = None) -> str:
     """The key of the sum of the gradients of views of input ``name`` that several readers
-    (or the user) get, before it joins the input's gradient (``input_grad_key``)."""
-    return name + _VIEWS
+    (or the user) get, before it joins the input's gradient (``input_grad_key``): one buffer for
+    the groups that are open one after the other, and one of its own for the group of ``view``
+    where it is open together with another."""
+    return name + _VIEWS if view is None else f"{name}{_VIEWS}@{view}"
 
 
 def views_key_input(key: str) -> str | None:
     """The input whose views' sum ``key`` is (:func:`input_views_key`), or None."""
-    return key[: -len(_VIEWS)] if key.endswith(_VIEWS) else None
+    if key.endswith(_VIEWS):
+        return key[: -len(_VIEWS)]
+    name, at, view = key.partition(_VIEWS + "@")
+    return name if at and view else None
 
 
 def parameter_sum_key(name: str) -> str:
