@@ -299,17 +299,17 @@ def outputs_to_release(graph: SimplifiedGraph, read: set[str] | None, cdgraph, i
     return frozenset(released)
 
 
-def _warn_if_unplanned(grads: list[torch.Tensor | None], graph: SimplifiedGraph, labels: Sequence[str]) -> None:
+def _warn_if_unplanned(grads: list[torch.Tensor | None], graph: SimplifiedGraph, names: Sequence[str]) -> None:
     """Warn where the loss gave a gradient to an output that the plan counts none for (the model
     returns its own loss, from which alone the plan takes the backward to run: ``rockmate``'s
-    ``output_gradients``). The executor passes it on as eager does: the gradients are exact, but
-    the plan did not count that tensor."""
+    ``output_gradients``; ``names``: the outputs' in the user's terms). The executor passes it on
+    as eager does: the gradients are exact, but the plan did not count that tensor."""
     if not graph.outputs_without_gradient:
         return
     for i, (grad, name) in enumerate(zip(grads, graph.outputs)):
         if grad is not None and name in graph.outputs_without_gradient:
             warnings.warn(
-                f"Rockmate: the loss gave a gradient to output {i} ({labels[i]}, {grad.numel() * grad.element_size()} B) "
+                f"Rockmate: the loss gave a gradient to output {i} ({names[i]}, {grad.numel() * grad.element_size()} B) "
                 "besides the model's own loss, from which alone the plan takes the backward to run: the gradients are "
                 "exact, but the step's peak may exceed the plan by up to that much; build with "
                 "output_gradients='all' to count it",
@@ -429,10 +429,11 @@ class _ScheduleFunction(torch.autograd.Function):
         }
         _check_outputs_unchanged(ctx.handover, state.outputs)
         _warn_if_held(ctx.handover)
+        names = ctx.handover.names
         # the outputs' gradients come from their gates (the engine passes None here)
         state.grad_outputs, ctx.handover.grads, ctx.handover = ctx.handover.grads, None, None
         _warn_if_shared(state.grad_outputs)
-        _warn_if_unplanned(state.grad_outputs, runner.module.graph, runner.module.describe_outputs())
+        _warn_if_unplanned(state.grad_outputs, runner.module.graph, names)
         try:
             with torch.enable_grad():
                 runner.code.backward_phase(state)

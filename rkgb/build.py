@@ -648,12 +648,6 @@ def measures_key(captured: CapturedGraph, chain: Chain, requires_grad: dict[str,
     return hashlib.sha256(content.encode()).hexdigest()
 
 
-def _is_scalar(captured: CapturedGraph, name: str) -> bool:
-    """Whether the captured graph's value ``name`` is a 0-dim tensor."""
-    value = next((node.meta.get("val") for node in captured.graph.nodes if node.name == name), None)
-    return isinstance(value, torch.Tensor) and value.dim() == 0
-
-
 def _with_classes(chain: Chain, classes_of_blocks: list[int]) -> Chain:
     """``chain`` with each block in the class ``classes_of_blocks`` gives it (in place)."""
     members: dict[int, list[int]] = {}
@@ -761,7 +755,9 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
     # (the data of a node that the loss is, or a view of, stays: the user holds the loss; so do
     # scalars, which a model returning a tuple may hold its loss among: `return loss, logits`)
     kept = simplified.owner.get(loss_name, loss_name) if loss_name is not None else None
-    scalars = {simplified.owner.get(name, name) for name in simplified.outputs if _is_scalar(captured, name)}
+    values = {node.name: node.meta.get("val") for node in captured.graph.nodes}
+    scalars = {simplified.owner.get(name, name) for name in simplified.outputs
+               if isinstance(values.get(name), torch.Tensor) and values[name].dim() == 0}
     droppable = [dname(name, DataKind.DATA) for name in simplified.output_owners
                  if name in last_nodes and name != kept and name not in scalars]
     if held_outputs == "loss":

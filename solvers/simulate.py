@@ -481,9 +481,9 @@ def simulate(
         The operations to replay.
     keep_outputs
         When True (a whole model), ``graph.held_outputs`` may never be forgotten: the user holds
-        the model's outputs (but those the step drops, ``CDGraph.dropped_outputs``). Their gradients are the executor's (the engine hands them over and
-        lets go, :mod:`exec.runtime`), freed after their last use. Block options are simulated
-        with False.
+        the model's outputs (but those the step drops, ``CDGraph.dropped_outputs``). Their
+        gradients are the executor's (the engine hands them over and lets go,
+        :mod:`exec.runtime`), freed after their last use. Block options are simulated with False.
     initially_alive
         Data nodes alive at the start besides ``graph.input_data`` (counted in the memory).
     first_run_bytes
