@@ -30,8 +30,8 @@ GRID = dict(peak_steps=3, save_steps=3)
 
 
 # The CI set of random programs is fixed by this seed (not by the test's source, which every new
-# regression example would change). Known failures of other sets (about 1 in 200 programs,
-# README: Known limits) are found by benchmarks/fuzz.py, which reports them.
+# regression example would change). Failures of other sets (none open: README, Figures,
+# fuzzing) are found by benchmarks/fuzz.py, which reports them.
 @seed(20261123)
 # programs that failed once (benchmarks/fuzz.py), run first
 @given(program=programs(), fraction=st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0]))
