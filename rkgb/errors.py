@@ -19,6 +19,10 @@ class UnsupportedOperation(RkgbError):
     """An operation of the captured graph cannot be placed in the simplified graph."""
 
 
+# the file of rockmate.WithLoss (rockmate/with_loss.py, beside this package), as stack traces name it
+_WITH_LOSS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rockmate", "with_loss.py")
+
+
 def describe_fx_node(node) -> str:
     """``"aten.item (in module 'encoder.layers.0.attn', at model.py:42)"`` for an fx node."""
     target = getattr(node.target, "__name__", str(node.target))
@@ -34,7 +38,8 @@ def describe_fx_node(node) -> str:
     if trace:
         lines = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File")]
         # the innermost frame of the user's code, not of torch's own modules (nn.Dropout's forward)
-        user = [line for line in lines if f"{os.sep}torch{os.sep}" not in line]
+        # nor of rockmate.WithLoss's forward, which calls the user's model
+        user = [line for line in lines if f"{os.sep}torch{os.sep}" not in line and _WITH_LOSS not in line]
         if lines:
             where.append(f"at {(user or lines)[-1]}")
     return target + (f" ({', '.join(where)})" if where else "")

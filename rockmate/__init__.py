@@ -11,10 +11,12 @@ See :class:`rockmate.api.Rockmate` and ``DESIGN.md``.
 from .api import BuildOptions, Rockmate, min_budget
 from .budget import budget_fraction, format_bytes, parse_budget
 from .errors import CaptureError, InfeasibleBudget, UnsupportedOperation
+from .with_loss import WithLoss
 
 __all__ = [
     "Rockmate",
     "min_budget",
+    "WithLoss",
     "BuildOptions",
     "InfeasibleBudget",
     "CaptureError",

@@ -691,3 +691,38 @@ def test_a_step_that_keeps_the_loss_alone_is_planned_without_the_logits():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dropped(*args)[0].backward()
+
+
+def test_a_loss_planned_with_its_model_keeps_the_whole_step_under_the_budget():
+    """``WithLoss(model, loss_fn)``: outside the model, an MSE's saved difference of the outputs
+    and the target is the user's memory, above the plan by that tensor; planned together it is
+    counted (the step measured at the prediction, the loss's scalar aside), and the pair trains
+    bitwise at 50% of eager's peak (or the minimum) with the gradients in the model's own
+    parameters."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from exactness import step_peak
+    from rockmate import WithLoss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    x, y = torch.randn(8, 16), torch.randn(8, 32)
+    outside = Rockmate(copy.deepcopy(model), x, 10**9, solver="none", cost_model="flops", held_outputs="loss")
+    measured_outside = step_peak(outside, (x,), lambda out: F.mse_loss(out, y), drop=True)
+    assert measured_outside - outside.plan.predicted_peak >= y.numel() * y.element_size()
+    pair = WithLoss(model, F.mse_loss)
+    together = Rockmate(copy.deepcopy(pair), (x, y), 10**9, solver="none", cost_model="flops")
+    measured = step_peak(together, (x, y), lambda loss: loss)
+    assert measured == measured_outside  # the same step: eager's operations, nothing recomputed
+    assert together.plan.predicted_peak <= measured <= together.plan.predicted_peak + LOSS_BYTES
+    check_training(pair, (x, y), 0.5, loss=lambda loss: loss)
+    with pytest.raises(InfeasibleBudget) as error:  # named in the user's terms: the model's module
+        Rockmate(pair, (x, y), 0.5, cost_model="flops")
+    assert "in module 'model.2'" in str(error.value) and "with_loss.py" not in str(error.value), str(error.value)
+    compiled = Rockmate(pair, (x, y), error.value.minimum, cost_model="flops")
+    compiled(x, y).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert list(pair.state_dict()) == [f"model.{key}" for key in model.state_dict()]
+    with pytest.raises(TypeError, match="the target is the last positional argument"):
+        pair()
