@@ -364,20 +364,25 @@ def inspect_chain(
             received: dict[str, GradLayout] = {}
             measures.update(_inspect_blocks(graph, chain, model, sample, device, needs, clock, again,
                                             last_use, layouts, received, strides))
+            # a block whose input comes in another real layout than its representative's is a
+            # class of its own: what its ops save depends on it (a linear's reshape of a
+            # transposed input is a copy of its own, of a contiguous one a view of the input)
+            stale = split_by_input_layouts(graph, chain, strides)
             corrected = {name: layout for name, layout in _received_layouts(graph, chain, received).items()
                          if layouts.get(name) != layout}
-            if not corrected:
+            if corrected:
+                layouts = {**layouts, **corrected}
+                # a block of a class whose output gradient now differs from its representative's is
+                # a class of its own (its backward's memory, and the layout it gives its input, differ)
+                stale |= split_by_output_layouts(graph, chain, layouts)
+                # and a representative whose output gradient changed is measured again
+                for block in chain.blocks[1:]:
+                    previous = chain.blocks[block.index - 1]
+                    if block.input_node is not None and previous.index == chain.classes[previous.class_index].representative \
+                            and any(n in corrected for n in graph.exported(graph.node(block.input_node))):
+                        stale.add(previous.class_index)
+            if not stale:
                 break
-            layouts = {**layouts, **corrected}
-            # a block of a class whose output gradient now differs from its representative's is a
-            # class of its own (its backward's memory, and the layout it gives its input, differ)
-            stale = split_by_output_layouts(graph, chain, layouts)
-            # and a representative whose output gradient changed is measured again
-            for block in chain.blocks[1:]:
-                previous = chain.blocks[block.index - 1]
-                if block.input_node is not None and previous.index == chain.classes[previous.class_index].representative \
-                        and any(n in corrected for n in graph.exported(graph.node(block.input_node))):
-                    stale.add(previous.class_index)
             again = {cls.representative: cls.index for cls in chain.classes if cls.index in stale}
         if graph.outputs_with_optional_gradient:
             # a step may give the outputs that the model's loss does not reach a gradient or not
@@ -467,6 +472,49 @@ def split_by_output_layouts(graph: SimplifiedGraph, chain: Chain, layouts: dict[
                 chain.blocks[index].class_index = split.index
             new.add(split.index)
     return new
+
+
+def split_by_input_layouts(graph: SimplifiedGraph, chain: Chain, strides: dict[str, tuple[int, ...]]) -> set[int]:
+    """Split each class of ``chain`` (in place) into classes whose blocks get their inputs (and
+    side inputs) in the same real layouts (``strides``, by fx name, as the kernels made them);
+    returns the indices of the new classes.
+
+    The blocks of a class run the same code, but what their ops save can depend on the layout of
+    their input, which the block before decides: a linear's reshape of a transposed input is a
+    copy, a phantom of its own, and of a contiguous one a view of the input, whose data its
+    backward then needs (fuzz seed 295: two identical linears, the first reading a CPU batch
+    norm's transposed result; measured on the first, the second's backward found its input
+    forgotten). A block whose inputs' layouts are not known (not run: the inspection synthesizes
+    the inputs of the last classes, see :func:`_inspect_blocks`) stays in its class. The blocks
+    that keep the representative's layouts stay in its class; each other group of layouts
+    becomes a class, its first block its representative.
+    """
+    new: set[int] = set()
+    for cls in list(chain.classes):
+        own = _input_layouts(graph, chain.blocks[cls.representative], strides)
+        groups: dict[tuple, list[int]] = {}
+        for index in cls.blocks:
+            signature = _input_layouts(graph, chain.blocks[index], strides)
+            groups.setdefault(own if None in signature or None in own else signature, []).append(index)
+        if len(groups) == 1:
+            continue
+        for signature, members in groups.items():
+            if signature == own:
+                cls.blocks = members
+                continue
+            split = BlockClass(len(chain.classes), members)
+            chain.classes.append(split)
+            for index in members:
+                chain.blocks[index].class_index = split.index
+            new.add(split.index)
+    return new
+
+
+def _input_layouts(graph: SimplifiedGraph, block: Block, strides: dict[str, tuple[int, ...]]) -> tuple:
+    """The real strides of ``block``'s input and side inputs, in the order of its (class-level)
+    inputs (None where not known)."""
+    names = ([block.input_node] if block.input_node is not None else []) + list(block.side_inputs)
+    return tuple(strides.get(output.fx_name) for name in names for output in graph.node(name).outputs)
 
 
 def _received_layouts(graph: SimplifiedGraph, chain: Chain,

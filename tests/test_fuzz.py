@@ -709,3 +709,25 @@ def test_a_returned_input_read_by_the_models_loss_through_views():
                        ("broadcast_mean", [3]), ("broadcast_mean", [3])], [0, 2], batch=3, seq=6, dim=16,
                       dtype=torch.float32, seed=2994)
     check_program(program, 0.0, loss_inside=True, held_outputs="loss", **GRID)
+
+
+def test_identical_blocks_whose_inputs_come_in_other_layouts_are_classes_of_their_own():
+    """Fuzz seed 295: two identical linears (blocks of one class), the first reading a CPU batch
+    norm's result in its transposed layout, the second the first's contiguous result. The first's
+    reshape of its input is a copy, saved as its own phantom; the second's a view of its input,
+    whose data its backward needs. Measured on the first alone, the class's plan forgot the
+    second's input after its forward, and the step's backward failed
+    (``PhantomFreedError: the backward of 'linear_1' needs the data of 'linear'``), at every
+    budget, the plan without recomputation included."""
+    program = written([("batch_norm", [0]), ("grad_reverse", [1]), ("index_assign", [2, 1]), ("linear", [2]),
+                       ("linear_relu_inplace", [4]), ("broadcast_mean", [5])], [5, 6], batch=3, seq=4, dim=16,
+                      dtype=torch.float64, seed=80)
+    from random_models import make
+    from rockmate import Rockmate
+
+    model, x = make(program)
+    compiled = Rockmate(model, x, 10**12, solver="none", cost_model="flops")
+    linears = [block for block in compiled.graphs.chain.blocks if block.nodes in (["linear"], ["linear_1"])]
+    assert len(linears) == 2 and linears[0].class_index != linears[1].class_index
+    for fraction in (1.0, 0.0):
+        check_program(program, fraction, **GRID)
