@@ -1,9 +1,11 @@
 """Demo: train a GPT-like model with half of its activation memory, exactly.
 
-Builds a small GPT (tied embedding and head, dropout, causal attention), measures eager
-PyTorch's activation peak, plans with Rockmate at 50% of it, trains a few steps of both side by
-side from the same initial weights and random state, and prints peak memory, step time and
-whether outputs and gradients are bitwise equal.
+Builds a small GPT (tied embedding and head, dropout, causal attention) and its loss (a
+cross-entropy), measures eager PyTorch's peak of a training step with the allocator, plans model
+and loss together with Rockmate at 50% of it (``WithLoss``: the budget bounds the whole step),
+trains a few steps of both side by side from the same initial weights and random state, and
+prints each step's peak, whether outputs and weights are bitwise equal, and both step times
+(interleaved steps after a warm-up, one thread).
 
     python examples/demo.py
 """
@@ -22,8 +24,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rkgb.memory import AllocationTracker  # noqa: E402
-from rockmate import Rockmate, format_bytes  # noqa: E402
+from rkgb.memory import measure_allocator_peak  # noqa: E402
+from rockmate import Rockmate, WithLoss, format_bytes  # noqa: E402
 
 
 class Block(nn.Module):
@@ -57,77 +59,79 @@ class TinyGPT(nn.Module):
         return self.head(self.norm(self.blocks(x)))
 
 
-def train_step(module, tokens, targets, optimizer):
-    """One step; returns (logits, peak bytes allocated during forward+backward, seconds)."""
-    optimizer.zero_grad(set_to_none=False)  # gradients allocated as after a first step
-    start = time.perf_counter()
-    with AllocationTracker() as tracker:
-        logits = module(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-    seconds = time.perf_counter() - start
-    optimizer.step()
-    return logits.detach(), tracker.peak_bytes, seconds
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def main(steps: int = 4) -> bool:
+def forward_backward(module, tokens, targets, losses=None):
+    """The measured part of a step: the loss (``module`` returns it) and its backward."""
+    loss = module(tokens, targets)
+    loss.backward()
+    if losses is not None:
+        losses.append(loss.detach())
+
+
+def main(steps: int = 4, timed_steps: int = 10) -> bool:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = TinyGPT()
     tokens = torch.randint(512, (4, 128))
     targets = torch.randint(512, (4, 128))
-    reference = copy.deepcopy(model)
+    step_module = WithLoss(model, cross_entropy)  # model and loss: one training step
+    reference = copy.deepcopy(step_module)
+    for p in list(model.parameters()) + list(reference.parameters()):
+        p.grad = torch.zeros_like(p)  # gradients allocated as after a first step (not activations)
 
-    # eager's activation peak, with gradients already allocated (they are not activations)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    with AllocationTracker() as tracker:
-        F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
-    eager_peak = tracker.peak_bytes
+    # eager's peak of a step, model and loss, as the allocator sees it (its own copy and RNG)
+    with torch.random.fork_rng():
+        eager_peak = measure_allocator_peak(forward_backward, copy.deepcopy(reference), tokens, targets)
     budget = eager_peak // 2
-    print(f"eager activation peak: {format_bytes(eager_peak)}; planning at 50%: {format_bytes(budget)}")
+    print(f"eager's peak of a training step (model and loss): {format_bytes(eager_peak)}; "
+          f"planning at 50%: {format_bytes(budget)}")
 
     start = time.perf_counter()
-    compiled = Rockmate(model, (tokens,), budget)
+    compiled = Rockmate(step_module, (tokens, targets), budget)
     print(f"planned in {time.perf_counter() - start:.1f} s: {compiled.extra_repr()}")
     print(f"predicted peak {format_bytes(compiled.plan.predicted_peak)}, predicted time "
           f"{compiled.plan.predicted_time * 1e3:.1f} ms (without recomputation "
           f"{compiled.plan.baseline_time * 1e3:.1f} ms)")
 
-    # the loss (cross-entropy) allocates its own memory on top of the module's: measure it
-    logits = torch.randn(4, 128, 512, requires_grad=True)
-    with AllocationTracker() as tracker:
-        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    loss_bytes = tracker.peak_bytes - logits.numel() * logits.element_size()  # its grad is planned
-    del logits
-
     eager_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     rock_opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for p in reference.parameters():
-        p.grad = torch.zeros_like(p)
-    exact = True
-    eager_times, rock_times, eager_peaks, rock_peaks = [], [], [], []
+    exact, eager_peaks, rock_peaks = True, [], []
     for step in range(steps):
         state = torch.get_rng_state()
-        out_eager, peak_eager, t_eager = train_step(reference, tokens, targets, eager_opt)
-        torch.set_rng_state(state)  # same dropout masks for both
-        out_rock, peak_rock, t_rock = train_step(compiled, tokens, targets, rock_opt)
-        same = torch.equal(out_eager, out_rock) and all(
-            torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters())
-        )
+        eager_opt.zero_grad(set_to_none=False)
+        losses = []
+        peak_eager = measure_allocator_peak(forward_backward, reference, tokens, targets, losses)
+        torch.set_rng_state(state)  # the same dropout masks for both
+        rock_opt.zero_grad(set_to_none=False)
+        peak_rock = measure_allocator_peak(forward_backward, compiled, tokens, targets, losses)
+        same = torch.equal(*losses) and all(torch.equal(a.grad, b.grad) for a, b in zip(reference.parameters(), model.parameters()))
+        eager_opt.step()
+        rock_opt.step()
+        same &= all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
         exact &= same
-        eager_times.append(t_eager), rock_times.append(t_rock)
         eager_peaks.append(peak_eager), rock_peaks.append(peak_rock)
-        print(f"step {step}: eager {format_bytes(peak_eager)} {t_eager * 1e3:.0f} ms | "
-              f"rockmate {format_bytes(peak_rock)} {t_rock * 1e3:.0f} ms | bitwise equal: {same}")
-    within = max(rock_peaks) <= budget + loss_bytes
-    print(f"peak memory (model + loss): eager {format_bytes(max(eager_peaks))}, rockmate "
-          f"{format_bytes(max(rock_peaks))}; budget of the model {format_bytes(budget)} (predicted "
-          f"{format_bytes(compiled.plan.predicted_peak)}) + the loss's own at most "
-          f"{format_bytes(loss_bytes)}: {'kept' if within else 'EXCEEDED'}")
-    print(f"median step time: eager {statistics.median(eager_times) * 1e3:.0f} ms, rockmate "
-          f"{statistics.median(rock_times) * 1e3:.0f} ms")
-    print(f"outputs, gradients and weights bitwise equal to eager at every step: {exact}")
+        print(f"step {step}: peak eager {format_bytes(peak_eager)} | rockmate {format_bytes(peak_rock)} | "
+              f"loss, gradients and weights bitwise equal: {same}")
+    within = max(rock_peaks) <= budget
+    print(f"peak of a training step (model and loss, the allocator's): eager {format_bytes(max(eager_peaks))}, "
+          f"rockmate {format_bytes(max(rock_peaks))}; budget {format_bytes(budget)} (predicted "
+          f"{format_bytes(compiled.plan.predicted_peak)}): {'kept' if within else 'EXCEEDED'}")
+
+    # step times: interleaved, after a warm-up, without any memory measure around them
+    eager_times, rock_times = [], []
+    for step in range(2 + timed_steps):
+        for module, times in ((reference, eager_times), (compiled, rock_times)):
+            start = time.perf_counter()
+            forward_backward(module, tokens, targets)
+            if step >= 2:
+                times.append(time.perf_counter() - start)
+    eager_ms, rock_ms = statistics.median(eager_times) * 1e3, statistics.median(rock_times) * 1e3
+    print(f"median step time (forward and backward, {timed_steps} interleaved steps, one thread): "
+          f"eager {eager_ms:.0f} ms, rockmate {rock_ms:.0f} ms ({rock_ms / eager_ms:.2f}x)")
+    print(f"loss, gradients and weights bitwise equal to eager at every step: {exact}")
     return exact and within
 
 

@@ -5,6 +5,9 @@
     loss = loss_fn(rk(*sample), target)
     loss.backward()
 
+    step = Rockmate(WithLoss(model, loss_fn), (*sample, target), "300MiB")   # the loss planned too
+    step(*sample, target).backward()
+
 See :class:`rockmate.api.Rockmate` and ``DESIGN.md``.
 """
 
