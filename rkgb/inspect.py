@@ -484,17 +484,19 @@ def split_by_input_layouts(graph: SimplifiedGraph, chain: Chain, strides: dict[s
     copy, a phantom of its own, and of a contiguous one a view of the input, whose data its
     backward then needs (fuzz seed 295: two identical linears, the first reading a CPU batch
     norm's transposed result; measured on the first, the second's backward found its input
-    forgotten). A block whose inputs' layouts are not known (not run: the inspection synthesizes
-    the inputs of the last classes, see :func:`_inspect_blocks`) stays in its class. The blocks
-    that keep the representative's layouts stay in its class; each other group of layouts
-    becomes a class, its first block its representative.
+    forgotten). The input of a block that the inspection did not run (it synthesizes the inputs
+    of the last classes, see :func:`_inspect_blocks`) has the layout of the same result in the
+    first block of its producer's class, as :func:`_synthesize_node` makes it (a block's results'
+    layouts follow from its code and its input's); a block whose input's layout is not known
+    that way either stays in its class. The blocks that keep the representative's layouts stay in
+    its class; each other group of layouts becomes a class, its first block its representative.
     """
     new: set[int] = set()
     for cls in list(chain.classes):
-        own = _input_layouts(graph, chain.blocks[cls.representative], strides)
+        own = _input_layouts(graph, chain, chain.blocks[cls.representative], strides)
         groups: dict[tuple, list[int]] = {}
         for index in cls.blocks:
-            signature = _input_layouts(graph, chain.blocks[index], strides)
+            signature = _input_layouts(graph, chain, chain.blocks[index], strides)
             groups.setdefault(own if None in signature or None in own else signature, []).append(index)
         if len(groups) == 1:
             continue
@@ -510,11 +512,24 @@ def split_by_input_layouts(graph: SimplifiedGraph, chain: Chain, strides: dict[s
     return new
 
 
-def _input_layouts(graph: SimplifiedGraph, block: Block, strides: dict[str, tuple[int, ...]]) -> tuple:
+def _input_layouts(graph: SimplifiedGraph, chain: Chain, block: Block, strides: dict[str, tuple[int, ...]]) -> tuple:
     """The real strides of ``block``'s input and side inputs, in the order of its (class-level)
-    inputs (None where not known)."""
+    inputs: as computed, else those of the same result in the first block of its producer's class
+    (None where neither is known)."""
     names = ([block.input_node] if block.input_node is not None else []) + list(block.side_inputs)
-    return tuple(strides.get(output.fx_name) for name in names for output in graph.node(name).outputs)
+    layouts = []
+    for name in names:
+        producer = next((b for b in chain.blocks if name in b.nodes), None)
+        twin = None
+        if producer is not None:
+            twin_block = chain.blocks[chain.classes[producer.class_index].representative]
+            twin = graph.node(twin_block.nodes[producer.nodes.index(name)])
+        for i, output in enumerate(graph.node(name).outputs):
+            stride = strides.get(output.fx_name)
+            if stride is None and twin is not None and i < len(twin.outputs):
+                stride = strides.get(twin.outputs[i].fx_name)
+            layouts.append(stride)
+    return tuple(layouts)
 
 
 def _received_layouts(graph: SimplifiedGraph, chain: Chain,

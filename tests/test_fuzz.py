@@ -731,3 +731,9 @@ def test_identical_blocks_whose_inputs_come_in_other_layouts_are_classes_of_thei
     assert len(linears) == 2 and linears[0].class_index != linears[1].class_index
     for fraction in (1.0, 0.0):
         check_program(program, fraction, **GRID)
+    # twice over: the inspection does not run the last pair (it synthesizes the inputs of the
+    # last classes), whose second linear's input layout is that of its producer's class
+    twice = written([("batch_norm", [0]), ("grad_reverse", [1]), ("linear", [2]), ("linear", [3]),
+                     ("batch_norm", [4]), ("grad_reverse", [5]), ("linear", [6]), ("linear", [7])], [8], batch=3,
+                    seq=4, dim=16, dtype=torch.float64, seed=80)
+    check_program(twice, 0.0, **GRID)
