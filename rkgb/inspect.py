@@ -454,16 +454,25 @@ def split_by_output_layouts(graph: SimplifiedGraph, chain: Chain, layouts: dict[
     copies it to its own). The blocks that keep the representative's layouts stay in its
     class; each other group of layouts becomes a class, its first block its representative.
     """
+    return _split_classes(chain, lambda block: _output_layouts(graph, block, layouts))
+
+
+def _split_classes(chain: Chain, signature) -> set[int]:
+    """Split each class of ``chain`` (in place) by ``signature(block)`` (None: not known, the
+    block stays with its representative): the blocks that share the representative's stay in
+    its class, each other group becomes a class, its first block its representative; returns
+    the indices of the new classes."""
     new: set[int] = set()
     for cls in list(chain.classes):
+        own = signature(chain.blocks[cls.representative])
         groups: dict[tuple, list[int]] = {}
         for index in cls.blocks:
-            groups.setdefault(_output_layouts(graph, chain.blocks[index], layouts), []).append(index)
+            mine = signature(chain.blocks[index])
+            groups.setdefault(own if mine is None or own is None else mine, []).append(index)
         if len(groups) == 1:
             continue
-        own = _output_layouts(graph, chain.blocks[cls.representative], layouts)
-        for signature, members in groups.items():
-            if signature == own:
+        for key, members in groups.items():
+            if key == own:
                 cls.blocks = members
                 continue
             split = BlockClass(len(chain.classes), members)
@@ -491,31 +500,13 @@ def split_by_input_layouts(graph: SimplifiedGraph, chain: Chain, strides: dict[s
     that way either stays in its class. The blocks that keep the representative's layouts stay in
     its class; each other group of layouts becomes a class, its first block its representative.
     """
-    new: set[int] = set()
-    for cls in list(chain.classes):
-        own = _input_layouts(graph, chain, chain.blocks[cls.representative], strides)
-        groups: dict[tuple, list[int]] = {}
-        for index in cls.blocks:
-            signature = _input_layouts(graph, chain, chain.blocks[index], strides)
-            groups.setdefault(own if None in signature or None in own else signature, []).append(index)
-        if len(groups) == 1:
-            continue
-        for signature, members in groups.items():
-            if signature == own:
-                cls.blocks = members
-                continue
-            split = BlockClass(len(chain.classes), members)
-            chain.classes.append(split)
-            for index in members:
-                chain.blocks[index].class_index = split.index
-            new.add(split.index)
-    return new
+    return _split_classes(chain, lambda block: _input_layouts(graph, chain, block, strides))
 
 
 def _input_layouts(graph: SimplifiedGraph, chain: Chain, block: Block, strides: dict[str, tuple[int, ...]]) -> tuple:
     """The real strides of ``block``'s input and side inputs, in the order of its (class-level)
     inputs: as computed, else those of the same result in the first block of its producer's class
-    (None where neither is known)."""
+    (None where one is known neither way)."""
     names = ([block.input_node] if block.input_node is not None else []) + list(block.side_inputs)
     layouts = []
     for name in names:
@@ -529,7 +520,7 @@ def _input_layouts(graph: SimplifiedGraph, chain: Chain, block: Block, strides: 
             if stride is None and twin is not None and i < len(twin.outputs):
                 stride = strides.get(twin.outputs[i].fx_name)
             layouts.append(stride)
-    return tuple(layouts)
+    return None if None in layouts else tuple(layouts)
 
 
 def _received_layouts(graph: SimplifiedGraph, chain: Chain,
