@@ -510,11 +510,7 @@ def _input_layouts(graph: SimplifiedGraph, chain: Chain, block: Block, strides: 
     names = ([block.input_node] if block.input_node is not None else []) + list(block.side_inputs)
     layouts = []
     for name in names:
-        producer = next((b for b in chain.blocks if name in b.nodes), None)
-        twin = None
-        if producer is not None:
-            twin_block = chain.blocks[chain.classes[producer.class_index].representative]
-            twin = graph.node(twin_block.nodes[producer.nodes.index(name)])
+        twin = _twin(graph, chain, name)
         for i, output in enumerate(graph.node(name).outputs):
             stride = strides.get(output.fx_name)
             if stride is None and twin is not None and i < len(twin.outputs):
@@ -691,11 +687,7 @@ def _synthesize_node(graph: SimplifiedGraph, chain: Chain, name: str, env, devic
                      strides: dict[str, tuple[int, ...]], seed: int) -> None:
     """Random values for node ``name``'s results and views (:func:`_synthesize_input`)."""
     node = graph.node(name)
-    producer = next(b for b in chain.blocks if name in b.nodes)
-    twin_block = chain.blocks[chain.classes[producer.class_index].representative]
-    twin = None
-    if node.name in producer.nodes:
-        twin = graph.node(twin_block.nodes[producer.nodes.index(node.name)])
+    twin = _twin(graph, chain, name)
     generator = torch.Generator(device=device).manual_seed(seed)
     traced = {line.name: line.meta.get("val") for line in node.lines}
     for i, output in enumerate(node.outputs):
@@ -708,6 +700,16 @@ def _synthesize_node(graph: SimplifiedGraph, chain: Chain, name: str, env, devic
             value = strided.copy_(value)
         env[output.fx_name] = value
     _rebuild_views(node, env)
+
+
+def _twin(graph: SimplifiedGraph, chain: Chain, name: str) -> SimplifiedNode | None:
+    """Node ``name``'s counterpart in the first block of its block's class (itself there), whose
+    results' real layouts stand for its own; None for a node of no block."""
+    producer = next((b for b in chain.blocks if name in b.nodes), None)
+    if producer is None:
+        return None
+    twin_block = chain.blocks[chain.classes[producer.class_index].representative]
+    return graph.node(twin_block.nodes[producer.nodes.index(name)])
 
 
 def _rebuild_views(node: SimplifiedNode, env) -> None:
