@@ -217,6 +217,9 @@ class ILPSolution:
     status: str = ""
     time_limit_hit: bool = False
     solve_time_s: float = 0.0
+    # the relative gap between the solution and the solver's bound when it stopped (0: proven
+    # within the gap asked for, as far as the backend says; None: not reported, CBC through pulp)
+    gap: float | None = None
 
 
 class RkCheckmateILP:
@@ -574,6 +577,7 @@ class RkCheckmateILP:
             status=status,
             time_limit_hit=limit_hit,
             solve_time_s=elapsed,
+            gap=self.highs.final_gap if solver == "highs" else None,
         )
 
 

@@ -101,6 +101,9 @@ class HighsModel:
         self.budgets = budgets
         self._arrays: _Arrays | None = None
         self._shape = (0, 0)
+        # the relative gap between the last solve's best solution and its bound (None: no
+        # solution, or no solve yet)
+        self.final_gap: float | None = None
 
     def invalidate(self) -> None:
         self._arrays = None
@@ -167,6 +170,7 @@ class HighsModel:
         """
         import highspy
 
+        self.final_gap = None
         arrays = self.arrays()
         highs = _new_highs(highspy)
         settings = {"threads": 1, "mip_rel_gap": float(gap), **HIGHS_SETTINGS}
@@ -200,6 +204,7 @@ class HighsModel:
         if statuses[1] in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             for v, value in zip(arrays.variables, highs.getSolution().col_value):
                 v.varValue = value
+            self.final_gap = 0.0 if status == highspy.HighsModelStatus.kOptimal else float(highs.getInfo().mip_gap)
         else:
             for v in arrays.variables:
                 v.varValue = None

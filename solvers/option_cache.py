@@ -32,7 +32,7 @@ from rkgb.disk_cache import read_pickle, write_pickle
 __all__ = ["OptionCache", "default_cache", "default_directory", "OPTIONS_FORMAT"]
 
 # bump when the options of a given CD-graph change (the ILP, the grid, the repair, the fields)
-OPTIONS_FORMAT = 4
+OPTIONS_FORMAT = 5
 
 
 def similar_times(old: tuple[float, ...], new: tuple[float, ...], factor: float = 4.0) -> bool:
