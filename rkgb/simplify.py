@@ -825,7 +825,15 @@ def _move_views_to_their_reader(graph: SimplifiedGraph) -> None:
                           len(reader.body))
                 reader.body.insert(at, line)
             else:
-                reader.prelude.insert(_first_reading(reader.prelude, line), line)
+                # before the first line that reads it or that is a view of the same tensor made
+                # after it: views of one result read together (LongT5's three slices of its
+                # padded keys, read by one `cat`) are made in eager's order, their backward nodes
+                # created in it, and the engine runs them (and sums their contributions) in
+                # eager's order, the latest made first (made in the reverse order, its sums
+                # rounded otherwise). Other lines (static ones) keep their place: the blocks of
+                # one class keep one order
+                reader.prelude.insert(min(_first_reading(reader.prelude, line),
+                                          _first_sibling_made_after(reader.prelude, line, position)), line)
             line_holder[line.name] = reader.name
 
 
@@ -1004,6 +1012,15 @@ def _readers_of(line: torch.fx.Node, graph: SimplifiedGraph) -> set[str]:
 def _fx_positions(graph: SimplifiedGraph) -> dict[str, int]:
     """The place of every fx node in the captured graph (eager's order of creation)."""
     return {line.name: i for i, line in enumerate(graph.captured.graph.nodes)}
+
+
+def _first_sibling_made_after(lines: list[torch.fx.Node], line: torch.fx.Node, position: dict[str, int]) -> int:
+    """The index of the first of ``lines`` that reads the tensor ``line`` reads first (a view
+    of the same tensor) and that the captured graph makes after ``line``, else their count."""
+    base = line.args[0] if line.args else None
+    return next((index for index, other in enumerate(lines)
+                 if other.args and other.args[0] is base and position[other.name] > position[line.name]),
+                len(lines))
 
 
 def _first_reading(lines: list[torch.fx.Node], line: torch.fx.Node) -> int:

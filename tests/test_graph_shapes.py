@@ -635,6 +635,33 @@ def test_a_late_view_and_a_view_of_it_join_the_result_as_eagers_buffer_sums_them
         check_training(_LateViewOfAView(), (x,), fraction, at_minimum=True, tolerance=0.2)
 
 
+class _ThreeBlockKeys(nn.Module):
+    """transformers' LongT5 local attention: the keys split into blocks, padded by a block on
+    each side, and three shifted slices of that read by one ``cat`` (each query block with its
+    neighbours), then a matmul with the queries. Eager's engine adds the three slices'
+    gradients the latest made first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+
+    def forward(self, x):
+        q = self.q(x).view(2, 4, -1, 4, 8)
+        padded = F.pad(self.k(x).view(2, 4, -1, 4, 8), (0, 0, 0, 0, 0, 0, 1, 1))
+        keys = torch.cat([padded[:, i:i + 4] for i in range(3)], dim=2)
+        return torch.matmul(q.transpose(2, 3), keys.permute(0, 1, 3, 4, 2))
+
+
+def test_slices_read_together_are_made_in_eagers_order():
+    """Views of one result that one node alone reads are made in that node's island in eager's
+    order: made in the reverse order (the key projection's gradient 1 ulp off, LongT5's too, at
+    every budget), the engine summed their gradients in the reverse order."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32)
+    for fraction in (1.0, 0.0):
+        check_training(_ThreeBlockKeys(), (x,), fraction, at_minimum=True)
+
+
 class _BiasedAttention(nn.Module):
     """Attention with a learned relative position bias as its mask (transformers 5's Swin):
     scaled dot product attention takes its math kernel where the mask requires grad, its fused

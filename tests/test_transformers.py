@@ -66,6 +66,11 @@ MODELS = {
     "t5": lambda: _causal(T.T5ForConditionalGeneration(T.T5Config(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, decoder_start_token_id=0,
         pad_token_id=0))),
+    # LongT5's local attention: three shifted slices of its padded key blocks read by one `cat`
+    # (made in the reverse order before, their gradients summed otherwise: 1 ulp off)
+    "longt5": lambda: (T.LongT5ForConditionalGeneration(T.LongT5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        pad_token_id=0, local_radius=4)), {"input_ids": _ids(low=2), "labels": _ids(low=2), "use_cache": False}),
     # BART, Whisper: LayerDrop in training (`torch.rand([]) < 0.0`, decided at capture)
     "bart": lambda: _causal(T.BartForConditionalGeneration(T.BartConfig(
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
