@@ -78,9 +78,9 @@ BOUND_RETRY_GAP = 0.01
 # repair the solutions of looser pairs' stopped solves where no proven looser pair gives a
 # start (module docstring, 4). Mamba2's 92-compute class, 49 of its 67 solves at their 2 s
 # limit: solves without a start 22 -> 3, its options faster at 562 of 1681 budget points (up
-# to 29%), slower at 225 (up to 24%: HiGHS's own heuristics, off with a start, had found
-# better); its plans at 13 budgets the same or up to 0.4% faster; the Llama-12, GPT-2 small and
-# Gemma 2 classes unchanged (every pair started before)
+# to 29%), slower at 225 (up to 24%), within the noise of its wall-clock-limited solves (two
+# runs of this code differ at 992 points); its plans at 13 budgets the same or up to 0.4%
+# faster; the Llama-12, GPT-2 small and Gemma 2 classes unchanged (every pair started before)
 REPAIR_FROM_KNOWN = True
 
 
@@ -329,27 +329,30 @@ def solve_class_options(
                 (a for a in answered if peak <= a[0] and save <= a[1] and excess(a[2], peak, save) > 0),
                 key=lambda a: ((a[0] - peak) / peak_range + (a[1] - save) / save_range, -a[0], -a[1]))
             began = time.thread_time()
+
+            def better(computes: list[str]) -> bool:
+                """Repair ``computes``; whether that bettered ``best`` (then kept)."""
+                nonlocal best
+                found = repairer.repair(computes, peak, save)
+                if found is None or (best is not None and found[1].time_s >= best[1].time_s):
+                    return False
+                best = found
+                remember(*found, (peak, save))
+                report.repaired += 1
+                return True
+
             for tried, (_, _, _, computes) in enumerate(looser_answers):
                 if tried >= REPAIR_SEEDS and (best is not None or tried >= REPAIR_SEEDS_WITHOUT_START):
                     break
-                found = repairer.repair(computes, peak, save)
-                if found is not None and (best is None or found[1].time_s < best[1].time_s):
-                    best = found
-                    remember(*found, (peak, save))
-                    report.repaired += 1
-                    if bound is not None and best[1].time_s <= bound * (1 + accept):
-                        break  # optimal: no need for another seed
+                if better(computes) and bound is not None and best[1].time_s <= bound * (1 + accept):
+                    break  # optimal: no need for another seed
             if best is None and REPAIR_FROM_KNOWN:
                 # no proven looser pair gives a start: repair the known solutions of looser
                 # pairs (those of solves stopped by their limit too), the nearest to fitting first
                 nearest = sorted((entry for entry in known if from_looser(entry[2], peak, save)),
                                  key=lambda entry: (excess(entry[1], peak, save), entry[2]))
                 for computes, _, _ in nearest[:REPAIR_SEEDS_WITHOUT_START]:
-                    found = repairer.repair(computes, peak, save)
-                    if found is not None and (best is None or found[1].time_s < best[1].time_s):
-                        best = found
-                        remember(*found, (peak, save))
-                        report.repaired += 1
+                    better(computes)
             report.repair_s += time.thread_time() - began
             return best
 
@@ -449,5 +452,6 @@ def solve_class_options(
             f"{report.pruned_infeasible} infeasible by dominance, {report.time_limit_hits} time limits hit, "
             f"{report.repaired} repaired starts"
             + (f", {report.grid_limit_skipped} left by the grid time limit" if report.grid_limit_skipped else "")
+            + (f", {report.stall_skipped} kept their start (stalled solves)" if report.stall_skipped else "")
         ],
     )
