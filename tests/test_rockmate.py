@@ -404,6 +404,11 @@ def test_without_grad_accumulation_the_sums_are_not_counted_and_accumulating_is_
     with_sums = min_budget(model, sample, cost_model="flops")
     without = min_budget(model, sample, cost_model="flops", grad_accumulation=False)
     assert without < with_sums
+    # (the default's refusal of that budget names the option and the tied embedding's sum)
+    tied = next(p for name, p in model.named_parameters() if "emb" in name)
+    with pytest.raises(InfeasibleBudget, match=rf"gradient sum of each parameter that several operations read "
+                                               rf"\(1, {tied.numel() * 4} bytes.*grad_accumulation=False plans"):
+        Rockmate(copy.deepcopy(model), sample, without, cost_model="flops")
     compiled = Rockmate(model, sample, without, cost_model="flops", grad_accumulation=False)
     loss = DotLoss(compiled(*sample).detach())
     loss(compiled(*sample)).backward()  # .grad None: nothing to sum apart
