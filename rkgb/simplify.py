@@ -1017,7 +1017,9 @@ def _fx_positions(graph: SimplifiedGraph) -> dict[str, int]:
 def _first_sibling_made_after(lines: list[torch.fx.Node], line: torch.fx.Node, position: dict[str, int]) -> int:
     """The index of the first of ``lines`` that reads the tensor ``line`` reads first (a view
     of the same tensor) and that the captured graph makes after ``line``, else their count."""
-    base = line.args[0] if line.args else None
+    if not line.args:
+        return len(lines)
+    base = line.args[0]
     return next((index for index, other in enumerate(lines)
                  if other.args and other.args[0] is base and position[other.name] > position[line.name]),
                 len(lines))

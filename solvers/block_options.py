@@ -289,7 +289,7 @@ def solve_class_options(
         answered: list[tuple[int, int, BlockOption, list[str]]] = [
             (top.peak_bytes, top.saved_bytes, top, known[0][0])]
         infeasible: list[tuple[int, int]] = []
-        stalls = [0]  # solves that hit their time limit and returned their start unchanged
+        stalls = 0  # solves that hit their time limit and returned their start unchanged
         repairer = None
         if repair:
             allowed = {(t, k) for t, slots in enumerate(built[0].slots) for k, r in slots if r is not None}
@@ -380,13 +380,14 @@ def solve_class_options(
             if grid_time_limit_s is not None and time.perf_counter() - start > grid_time_limit_s:
                 report.grid_limit_skipped += 1  # the best fitting option (if any) is already kept
                 return None
-            if best is not None and stalled_solves is not None and stalls[0] >= stalled_solves:
+            if best is not None and stalled_solves is not None and stalls >= stalled_solves:
                 report.stall_skipped += 1  # its start is already an option
                 return None
             kwargs = {"start": best[0] if best is not None and warm_start else None}
             return best, pool.submit(solve_one, peak, save, kwargs)
 
         def conclude(q: tuple[int, int], best, solution) -> None:
+            nonlocal stalls
             peak, save = q
             report.solved += 1
             option = measured(solution, f"peak<={peak}, save<={save}")
@@ -399,7 +400,7 @@ def solve_class_options(
             report.time_limit_hits += int(option.time_limit_hit)
             computes = solution.computes
             if solution.time_limit_hit and best is not None and best[1].time_s <= option.time_s:
-                stalls[0] += 1
+                stalls += 1
             if best is not None and best[1].time_s < option.time_s:
                 computes, option = best  # the solver stopped (time limit, gap) above the start
             else:
