@@ -220,6 +220,8 @@ class ILPSolution:
     # the relative gap between the solution and the solver's bound when it stopped (0: proven
     # within the gap asked for, as far as the backend says; None: not reported, CBC through pulp)
     gap: float | None = None
+    # solved in the neighbourhood of its start only (local branching): no bound for other pairs
+    neighbourhood: bool = False
 
 
 class RkCheckmateILP:
@@ -521,6 +523,7 @@ class RkCheckmateILP:
         gap: float = 0.0,
         start: list[str] | None = None,
         cbc_options: tuple[str, ...] | None = None,
+        flips: int | None = None,
     ) -> ILPSolution:
         """Solve for a peak budget and a save budget (bytes; None: unbounded).
 
@@ -529,7 +532,10 @@ class RkCheckmateILP:
         ``"save"`` minimizes what is alive at the loss (then ``save_bytes`` is ignored).
         ``start``: a feasible sequence of computes (a solution of another pair of budgets that
         fits this one) given to the solver as its first incumbent (CBC's MIP start); CBC's
-        heuristics are then off. ``cbc_options``: see :func:`make_pulp_solver`.
+        heuristics are then off. ``cbc_options``: see :func:`make_pulp_solver`. ``flips`` (HiGHS,
+        with a start): search only the solutions that change at most that many of the start's
+        binary values (local branching); the solution says ``neighbourhood`` and proves nothing
+        beyond it.
         """
         self.peak_var.lowBound = 0
         self.peak_var.upBound = None if (peak_bytes is None or objective == "peak") else peak_bytes / self.unit
@@ -554,7 +560,7 @@ class RkCheckmateILP:
         if warm_start and solver == "cbc":
             backend.optionsDict["warmStart"] = True
         start = time.perf_counter()
-        self._solve_with_fallback(backend, solver, time_limit_s, gap, warm_start)
+        self._solve_with_fallback(backend, solver, time_limit_s, gap, warm_start, flips=flips)
         elapsed = time.perf_counter() - start
         status = pulp.LpStatus[self.prob.status]
         has_solution = self.prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
@@ -578,6 +584,7 @@ class RkCheckmateILP:
             time_limit_hit=limit_hit,
             solve_time_s=elapsed,
             gap=self.highs.final_gap if solver == "highs" else None,
+            neighbourhood=flips is not None,
         )
 
 
@@ -619,7 +626,7 @@ class RkCheckmateILP:
         self.highs.invalidate()
 
     def _solve_with_fallback(self, backend: pulp.LpSolver | None, solver: str, time_limit_s: float | None,
-                             gap: float, warm_start: bool = False) -> None:
+                             gap: float, warm_start: bool = False, flips: int | None = None) -> None:
         """Solve with ``backend`` (HiGHS in process for ``"highs"``, with the integer variables'
         values as a start where ``warm_start``); where the backend itself fails (CBC's
         executable crashing, a HiGHS error), solve again with the other backend (HiGHS where
@@ -628,7 +635,7 @@ class RkCheckmateILP:
             if solver in ORTOOLS_ENGINES:
                 solve_with_ortools(self.prob, solver, time_limit_s, gap)
             elif solver == "highs":
-                self.highs.solve(time_limit_s, gap, start=warm_start)
+                self.highs.solve(time_limit_s, gap, start=warm_start, flips=flips)
             else:
                 self.prob.solve(backend)
             return

@@ -159,10 +159,12 @@ class HighsModel:
         integers = [i for i, v in enumerate(variables) if v.cat == pulp.LpInteger]
         return _Arrays(lp, variables, column, integers)
 
-    def solve(self, time_limit_s: float | None, gap: float, start: bool) -> None:
+    def solve(self, time_limit_s: float | None, gap: float, start: bool, flips: int | None = None) -> None:
         """Solve the problem as it stands (its objective, the budgets' bounds and, with ``start``,
         the integer variables' values as a MIP start), as ``prob.solve`` would: the variables'
-        values, ``prob.status`` and ``prob.sol_status`` are set.
+        values, ``prob.status`` and ``prob.sol_status`` are set. With ``flips`` (and ``start``),
+        only the solutions that change at most that many of the start's binary values are
+        searched.
 
         Raises:
             RuntimeError: HiGHS refused the model or failed while solving it (the caller falls
@@ -195,6 +197,14 @@ class HighsModel:
                      if arrays.variables[i].varValue is not None]
             if given:
                 highs.setSolution(len(given), [i for i, _ in given], [float(x) for _, x in given])
+            if flips is not None and given:
+                # local branching (Fischetti and Lodi, "Local branching", Math. Programming 2003):
+                # at most ``flips`` of the start's integer values change
+                binary = [(i, x) for i, x in given
+                          if arrays.variables[i].lowBound == 0 and arrays.variables[i].upBound == 1]
+                ones = sum(1 for _, x in binary if x > 0.5)
+                highs.addRow(-math.inf, float(flips - ones), len(binary), [i for i, _ in binary],
+                             [-1.0 if x > 0.5 else 1.0 for _, x in binary])
         if highs.run() == highspy.HighsStatus.kError:
             raise RuntimeError(f"HiGHS failed: {highs.modelStatusToString(highs.getModelStatus())}")
         status = highs.getModelStatus()

@@ -417,9 +417,12 @@ class RockmateSolver(ChainPlanner):
     # recompute runs of forwards that only feed each other as a whole (solvers.forward_runs):
     # attention classes' grids 1.5-2.5x faster, the same plans on the bench GPT, GPT-2, Llama
     whole_runs: bool = True
-    # see solvers.block_options.solve_class_options: faster planning of the classes whose ILPs
-    # stop at their time limit, for slower plans (Mamba2, 3: 68 -> 35 s, plans up to 1.1% slower)
-    stalled_solves: int | None = None
+    # see solvers.block_options.solve_class_options: once this many solves of a class stopped at
+    # their limit with their start unbettered, its later pairs with a start are solved in the
+    # start's neighbourhood (``neighbourhood_flips`` binaries changed at most; None: keep the
+    # start). No solve of the Llama-12, GPT-2 small or Gemma 2 classes stops at its limit
+    stalled_solves: int | None = 3
+    neighbourhood_flips: int | None = 4
     reports: dict[int, GridReport] = field(default_factory=dict, repr=False)
     cache: OptionCache | None = field(default_factory=lambda: default_cache, repr=False)
 
@@ -461,7 +464,7 @@ class RockmateSolver(ChainPlanner):
             return rotor_options(graph, notes=[note])
         settings = (self.peak_steps, self.save_steps, self.time_limit_s, self.ilp_solver,
                     self.forward_recompute, self.lazy_recompute, self.gap, self.grid_time_limit_s, self.whole_runs,
-                    self.stalled_solves)
+                    self.stalled_solves, self.neighbourhood_flips)
         report = GridReport()
 
         def compute() -> ClassOptions:
@@ -478,6 +481,7 @@ class RockmateSolver(ChainPlanner):
                 grid_time_limit_s=self.grid_time_limit_s,
                 whole_runs=self.whole_runs,
                 stalled_solves=self.stalled_solves,
+                neighbourhood_flips=self.neighbourhood_flips,
                 report=report,
                 solver_slots=solver_slots,
             )

@@ -44,8 +44,9 @@ def serves_its_stage(graph, stage):
     return True
 
 
-def brute_force(graph, forward_recompute=True, lazy=False):
-    """(time, peak, saved) of every stage-structured sequence of computes."""
+def brute_force(graph, forward_recompute=True, lazy=False, with_computes=False):
+    """(time, peak, saved) of every stage-structured sequence of computes (and the sequence,
+    ``with_computes``)."""
     nodes = graph.compute_nodes
     loss = next(i for i, c in enumerate(nodes) if c.kind is ComputeKind.LOSS)
     forwards = [i for i, c in enumerate(nodes) if c.kind is ComputeKind.FORWARD]
@@ -69,7 +70,7 @@ def brute_force(graph, forward_recompute=True, lazy=False):
             continue
         if lazy and not all(serves_its_stage(graph, stage) for stage in combo):
             continue
-        results.append((r.time_s, r.peak_bytes, r.saved_bytes))
+        results.append((r.time_s, r.peak_bytes, r.saved_bytes) + ((computes,) if with_computes else ()))
     return results
 
 
@@ -282,6 +283,82 @@ def test_a_class_whose_solves_stall_keeps_the_starts_of_its_other_pairs(monkeypa
                                   report=report).options
     assert len(solves) == 2 and solved >= 2 + report.stall_skipped and report.stall_skipped >= 5
     assert [o.key() for o in options] == [o.key() for o in every]
+
+
+@pytest.mark.skipif(not highs_available(), reason="no highspy")
+def test_a_class_whose_solves_stall_solves_its_other_pairs_near_their_starts(monkeypatch):
+    """``neighbourhood_flips``: once ``stalled_solves`` solves stopped with their start
+    unbettered, the pairs after them that have a start are solved in its neighbourhood (that
+    many binaries flipped at most), which betters some starts, and no such solve serves as a
+    lower bound of tighter pairs."""
+    from solvers.block_options import GridReport
+
+    graph = attention_like_graph()
+    real_solve = RkCheckmateILP.solve
+    stalled, near = [], []
+
+    def stalling(self, peak_bytes, save_bytes=None, *, objective="time", start=None, flips=None, **kwargs):
+        if objective == "time" and start is not None and flips is None:
+            stalled.append(start)
+            return ILPSolution(True, computes=list(start), status="Optimal", time_limit_hit=True)
+        solution = real_solve(self, peak_bytes, save_bytes, objective=objective, start=start, flips=flips, **kwargs)
+        if flips is not None:
+            near.append((flips, option_from_computes(graph, start).time_s,
+                         option_from_computes(graph, solution.computes).time_s, solution.neighbourhood))
+        return solution
+
+    monkeypatch.setattr(RkCheckmateILP, "solve", stalling)
+    kept = solve_class_options(graph, peak_steps=6, save_steps=6, workers=1, stalled_solves=2, ilp_solver="highs")
+    stalled.clear()
+    report = GridReport()
+    options = solve_class_options(graph, peak_steps=6, save_steps=6, workers=1, stalled_solves=2,
+                                  neighbourhood_flips=3, ilp_solver="highs", report=report).options
+    assert len(stalled) == 2 and report.neighbourhood_solves == len(near) >= 5 and report.stall_skipped == 0
+    assert all(flips == 3 and proves_nothing and after <= before + 1e-12 for flips, before, after, proves_nothing in near)
+    assert sum(after < before - 1e-12 for _, before, after, _ in near) >= 1
+    # the options of the neighbourhood solves are at least as fast as the kept starts' at every grid pair
+    def best(opts, peak, save):
+        return min((o.time_s for o in opts if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
+    pairs = {(o.peak_bytes, o.saved_bytes) for o in kept.options + options}
+    assert all(best(options, p, q) <= best(kept.options, p, q) + 1e-12 for p, q in pairs
+               if best(kept.options, p, q) is not None)
+
+
+def _binaries(ilp, computes):
+    """The values of the model's binary variables for the schedule ``computes``."""
+    ilp._set_start(computes)
+    return {v.name: round(v.varValue) for v in ilp.variables
+            if v.cat == "Integer" and v.lowBound == 0 and v.upBound == 1 and v.varValue is not None}
+
+
+@pytest.mark.skipif(not highs_available(), reason="no highspy")
+@pytest.mark.parametrize("name", ["multi_output", "random0", "random1", "residual"])
+def test_a_neighbourhood_solve_changes_at_most_its_flips_of_the_start(name):
+    """Local branching (``flips``): the solution differs from the start in at most that many
+    binary values, is no slower than the start, is the start itself with no flip, and the
+    optimum where every binary may flip; it says it proves nothing beyond the neighbourhood."""
+    graph = GRAPHS[name]()
+    results = brute_force(graph, lazy=True, with_computes=True)
+    ilp = RkCheckmateILP(graph, lazy_recompute=True)
+    checked = 0
+    for _, peak, save, _ in sorted(results, key=lambda r: (r[1], r[2]))[:: max(1, len(results) // 8)]:
+        fitting = sorted((t, computes) for t, p, s, computes in results if p <= peak and s <= save)
+        optimum = fitting[0][0]
+        # the start: the slowest schedule that fits, so that flips can better it
+        start_time, start = fitting[-1]
+        same = ilp.solve(peak, save, time_limit_s=20, solver="highs", start=start, flips=0)
+        assert same.neighbourhood and option_from_computes(graph, same.computes).time_s == pytest.approx(start_time)
+        everything = ilp.solve(peak, save, time_limit_s=20, solver="highs", start=start, flips=10**6)
+        assert option_from_computes(graph, everything.computes).time_s == pytest.approx(optimum, abs=1e-9)
+        for flips in (1, 2):
+            near = ilp.solve(peak, save, time_limit_s=20, solver="highs", start=start, flips=flips)
+            option = option_from_computes(graph, near.computes)
+            assert option.peak_bytes <= peak and option.saved_bytes <= save
+            assert optimum - 1e-9 <= option.time_s <= start_time + 1e-9
+            before, after = _binaries(ilp, start), _binaries(ilp, near.computes)
+            assert sum(before[v] != after[v] for v in before) <= flips
+        checked += start_time > optimum
+    assert checked >= 3
 
 
 def test_without_forward_recomputation_equals_its_brute_force():
