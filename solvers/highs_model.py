@@ -199,7 +199,7 @@ class HighsModel:
                 highs.setSolution(len(given), [i for i, _ in given], [float(x) for _, x in given])
             if flips is not None and given:
                 # local branching (Fischetti and Lodi, "Local branching", Math. Programming 2003):
-                # at most ``flips`` of the start's integer values change
+                # at most ``flips`` of the start's binary values change
                 binary = [(i, x) for i, x in given
                           if arrays.variables[i].lowBound == 0 and arrays.variables[i].upBound == 1]
                 ones = sum(1 for _, x in binary if x > 0.5)
