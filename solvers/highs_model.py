@@ -195,16 +195,17 @@ class HighsModel:
         if start:
             given = [(i, arrays.variables[i].varValue) for i in arrays.integers
                      if arrays.variables[i].varValue is not None]
-            if given:
-                highs.setSolution(len(given), [i for i, _ in given], [float(x) for _, x in given])
             if flips is not None and given:
                 # local branching (Fischetti and Lodi, "Local branching", Math. Programming 2003):
-                # at most ``flips`` of the start's binary values change
+                # at most ``flips`` of the start's binary values change. (Added before the start
+                # is given: a new row drops the solution HiGHS holds.)
                 binary = [(i, x) for i, x in given
                           if arrays.variables[i].lowBound == 0 and arrays.variables[i].upBound == 1]
                 ones = sum(1 for _, x in binary if x > 0.5)
                 highs.addRow(-math.inf, float(flips - ones), len(binary), [i for i, _ in binary],
                              [-1.0 if x > 0.5 else 1.0 for _, x in binary])
+            if given:
+                highs.setSolution(len(given), [i for i, _ in given], [float(x) for _, x in given])
         if highs.run() == highspy.HighsStatus.kError:
             raise RuntimeError(f"HiGHS failed: {highs.modelStatusToString(highs.getModelStatus())}")
         status = highs.getModelStatus()
