@@ -194,10 +194,10 @@ def solve_class_options(
         at most this many of the start's binary values (local branching, Fischetti and Lodi,
         Math. Programming 2003), which HiGHS explores in a fraction of its full solve's time and
         which betters the start where a few recomputations swapped do; such a solve proves no
-        bound for tighter pairs. 3 stalls and 4 flips on Mamba2's 92-compute class: its model
-        planned in 51 s instead of 68 s, its plans at 13 budgets within 0.67% of those of a
-        grid with 10x the time per solve (the full solves' grid: 1.03%; keeping the starts,
-        35 s: 1.68%).
+        bound for tighter pairs. 3 stalls and 4 flips on Mamba2's 92-compute class (measured
+        costs): its model planned in 48-53 s instead of 68 s, its plans at 13 budgets within
+        0.85-1.68% of those of a grid with 10x the time per solve (the full solves' grid: 1.03%;
+        the runs' noise is as large, their solves being cut by a wall-clock limit).
     whole_runs
         Recompute each run of forwards that only feed each other as a whole
         (:mod:`solvers.forward_runs`): fewer choices; on the GPT-2 and Llama attention classes
