@@ -57,6 +57,9 @@ __all__ = ["GridReport", "solve_class_options", "pareto_front"]
 # the GPT attention classes: a third seed, or the known solutions nearest to fitting, cost
 # more Python time than they save solver time)
 REPAIR_SEEDS = 2
+# a neighbourhood solve is skipped where a looser pair's, from the same start, found nothing better
+# (its neighbourhood there holds this pair's; a switch for the tests)
+SKIP_SEARCHED_NEIGHBOURHOODS = True
 # ... and up to this many where those give no fitting start: a solve without a start costs 3-10x
 # one with (the Llama-12 attention class's grid: 1.2-1.5 s for its one pair left without a
 # start, 0.1-0.3 s for most others; the grid 7.0-7.2 -> 6.4 s, the same options)
@@ -105,6 +108,7 @@ class GridReport:
     grid_limit_skipped: int = 0
     stall_skipped: int = 0
     neighbourhood_solves: int = 0
+    neighbourhood_pruned: int = 0
     repaired: int = 0
     repair_s: float = 0.0
     build_s: float = 0.0
@@ -302,6 +306,9 @@ def solve_class_options(
         answered: list[tuple[int, int, BlockOption, list[str]]] = [
             (top.peak_bytes, top.saved_bytes, top, known[0][0])]
         infeasible: list[tuple[int, int]] = []
+        # (peak budget, save budget, start) of the neighbourhood solves that found nothing better
+        # than their start: a tighter pair's neighbourhood of the same start has nothing better
+        exhausted: list[tuple[int, int, tuple[str, ...]]] = []
         stalls = 0  # solves that hit their time limit and returned their start unchanged
         repairer = None
         if repair:
@@ -397,6 +404,10 @@ def solve_class_options(
                 if neighbourhood_flips is None or ilp_solver != "highs":
                     report.stall_skipped += 1  # its start is already an option
                     return None
+                if SKIP_SEARCHED_NEIGHBOURHOODS and any(peak <= p and save <= s and tuple(best[0]) == start_of
+                                                        for p, s, start_of in exhausted):
+                    report.neighbourhood_pruned += 1  # its neighbourhood was searched at a looser pair
+                    return None
                 report.neighbourhood_solves += 1
                 kwargs = {"start": best[0], "flips": neighbourhood_flips}
                 return best, pool.submit(solve_one, peak, save, kwargs)
@@ -408,11 +419,15 @@ def solve_class_options(
             peak, save = q
             report.solved += 1
             option = measured(solution, f"peak<={peak}, save<={save}")
+            searched = not solution.time_limit_hit and solution.neighbourhood
+            if searched and (option is None or best[1].time_s <= option.time_s):
+                # nothing better than the start in its neighbourhood: nor at tighter pairs
+                exhausted.append((peak, save, tuple(best[0])))
             if option is None:
-                if not solution.time_limit_hit:
-                    infeasible.append((peak, save))
-                else:
+                if solution.time_limit_hit:
                     report.time_limit_hits += 1
+                elif not solution.neighbourhood:  # (an empty neighbourhood proves nothing else)
+                    infeasible.append((peak, save))
                 return
             report.time_limit_hits += int(option.time_limit_hit)
             computes = solution.computes
@@ -473,5 +488,7 @@ def solve_class_options(
             + (f", {report.stall_skipped} kept their start (stalled solves)" if report.stall_skipped else "")
             + (f", {report.neighbourhood_solves} solved in their start's neighbourhood (stalled solves)"
                if report.neighbourhood_solves else "")
+            + (f", {report.neighbourhood_pruned} whose start's neighbourhood a looser pair had searched"
+               if report.neighbourhood_pruned else "")
         ],
     )

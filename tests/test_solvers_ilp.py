@@ -316,12 +316,50 @@ def test_a_class_whose_solves_stall_solves_its_other_pairs_near_their_starts(mon
     assert len(stalled) == 2 and report.neighbourhood_solves == len(near) >= 5 and report.stall_skipped == 0
     assert all(flips == 3 and proves_nothing and after <= before + 1e-12 for flips, before, after, proves_nothing in near)
     assert sum(after < before - 1e-12 for _, before, after, _ in near) >= 1
+    assert report.neighbourhood_pruned >= 3
     # the options of the neighbourhood solves are at least as fast as the kept starts' at every grid pair
     def best(opts, peak, save):
         return min((o.time_s for o in opts if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
     pairs = {(o.peak_bytes, o.saved_bytes) for o in kept.options + options}
     assert all(best(options, p, q) <= best(kept.options, p, q) + 1e-12 for p, q in pairs
                if best(kept.options, p, q) is not None)
+
+
+@pytest.mark.skipif(not highs_available(), reason="no highspy")
+def test_a_neighbourhood_searched_at_a_looser_pair_is_not_searched_again(monkeypatch):
+    """A pair whose start's neighbourhood a looser pair searched without finding better (the
+    neighbourhood at the tighter budgets is a part of it) keeps its start without a solve:
+    fewer solves, and every grid pair's best option as fast as with the solves."""
+    from solvers import block_options
+
+    graph = attention_like_graph()
+    real_solve = RkCheckmateILP.solve
+    near = []
+
+    def stalling(self, peak_bytes, save_bytes=None, *, objective="time", start=None, flips=None, **kwargs):
+        if objective == "time" and start is not None and flips is None:
+            return ILPSolution(True, computes=list(start), status="Optimal", time_limit_hit=True)
+        if flips is not None:
+            near.append(peak_bytes)
+        return real_solve(self, peak_bytes, save_bytes, objective=objective, start=start, flips=flips, **kwargs)
+
+    monkeypatch.setattr(RkCheckmateILP, "solve", stalling)
+
+    def grid():
+        near.clear()
+        options = solve_class_options(graph, peak_steps=6, save_steps=6, workers=1, stalled_solves=2,
+                                      neighbourhood_flips=3, ilp_solver="highs").options
+        return options, len(near)
+
+    skipping, solves = grid()
+    monkeypatch.setattr(block_options, "SKIP_SEARCHED_NEIGHBOURHOODS", False)
+    every, all_solves = grid()
+    assert solves <= all_solves - 3
+
+    def best(opts, peak, save):
+        return min((o.time_s for o in opts if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
+    pairs = {(o.peak_bytes, o.saved_bytes) for o in every + skipping}
+    assert all(best(skipping, p, q) == pytest.approx(best(every, p, q), rel=0.01) for p, q in pairs)
 
 
 def _binaries(ilp, computes):
