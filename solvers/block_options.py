@@ -108,7 +108,7 @@ class GridReport:
     grid_limit_skipped: int = 0
     stall_skipped: int = 0
     neighbourhood_solves: int = 0
-    neighbourhood_pruned: int = 0
+    neighbourhood_skipped: int = 0
     repaired: int = 0
     repair_s: float = 0.0
     build_s: float = 0.0
@@ -406,7 +406,7 @@ def solve_class_options(
                     return None
                 if SKIP_SEARCHED_NEIGHBOURHOODS and any(peak <= p and save <= s and tuple(best[0]) == start_of
                                                         for p, s, start_of in exhausted):
-                    report.neighbourhood_pruned += 1  # its neighbourhood was searched at a looser pair
+                    report.neighbourhood_skipped += 1  # its neighbourhood was searched at a looser pair
                     return None
                 report.neighbourhood_solves += 1
                 kwargs = {"start": best[0], "flips": neighbourhood_flips}
@@ -488,7 +488,7 @@ def solve_class_options(
             + (f", {report.stall_skipped} kept their start (stalled solves)" if report.stall_skipped else "")
             + (f", {report.neighbourhood_solves} solved in their start's neighbourhood (stalled solves)"
                if report.neighbourhood_solves else "")
-            + (f", {report.neighbourhood_pruned} whose start's neighbourhood a looser pair had searched"
-               if report.neighbourhood_pruned else "")
+            + (f", {report.neighbourhood_skipped} whose start's neighbourhood a looser pair had searched"
+               if report.neighbourhood_skipped else "")
         ],
     )
