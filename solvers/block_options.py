@@ -57,9 +57,6 @@ __all__ = ["GridReport", "solve_class_options", "pareto_front"]
 # the GPT attention classes: a third seed, or the known solutions nearest to fitting, cost
 # more Python time than they save solver time)
 REPAIR_SEEDS = 2
-# a neighbourhood solve is skipped where a looser pair's, from the same start, found nothing better
-# (its neighbourhood there holds this pair's; a switch for the tests)
-SKIP_SEARCHED_NEIGHBOURHOODS = True
 # ... and up to this many where those give no fitting start: a solve without a start costs 3-10x
 # one with (the Llama-12 attention class's grid: 1.2-1.5 s for its one pair left without a
 # start, 0.1-0.3 s for most others; the grid 7.0-7.2 -> 6.4 s, the same options)
@@ -86,6 +83,9 @@ BOUND_RETRY_GAP = 0.01
 # runs of this code differ at 992 points); its plans at 13 budgets the same or up to 0.4%
 # faster; the Llama-12, GPT-2 small and Gemma 2 classes unchanged (every pair started before)
 REPAIR_FROM_KNOWN = True
+# a neighbourhood solve is skipped where a looser pair's, from the same start, found nothing better
+# (its neighbourhood there holds this pair's; a switch for the tests)
+SKIP_SEARCHED_NEIGHBOURHOODS = True
 
 
 @dataclass
@@ -199,9 +199,10 @@ def solve_class_options(
         Math. Programming 2003), which HiGHS explores in a fraction of its full solve's time and
         which betters the start where a few recomputations swapped do; such a solve proves no
         bound for tighter pairs. 3 stalls and 4 flips on Mamba2's 92-compute class (measured
-        costs): its model planned in 48-53 s instead of 68 s, its plans at 13 budgets within
-        0.85-1.68% of those of a grid with 10x the time per solve (the full solves' grid: 1.03%;
-        the runs' noise is as large, their solves being cut by a wall-clock limit).
+        costs): its model planned in 47-53 s instead of 68 s (three runs), its plans at 13
+        budgets within 0.67-1.68% of those of a grid with 10x the time per solve (the full
+        solves' grid: 1.03%; the runs' noise is as large, their solves being cut by a wall-clock
+        limit).
     whole_runs
         Recompute each run of forwards that only feed each other as a whole
         (:mod:`solvers.forward_runs`): fewer choices; on the GPT-2 and Llama attention classes
@@ -400,18 +401,18 @@ def solve_class_options(
             if grid_time_limit_s is not None and time.perf_counter() - start > grid_time_limit_s:
                 report.grid_limit_skipped += 1  # the best fitting option (if any) is already kept
                 return None
+            kwargs = {"start": best[0] if best is not None and warm_start else None}
             if best is not None and stalled_solves is not None and stalls >= stalled_solves:
                 if neighbourhood_flips is None or ilp_solver != "highs":
                     report.stall_skipped += 1  # its start is already an option
                     return None
-                if SKIP_SEARCHED_NEIGHBOURHOODS and any(peak <= p and save <= s and tuple(best[0]) == start_of
+                start_key = tuple(best[0])
+                if SKIP_SEARCHED_NEIGHBOURHOODS and any(peak <= p and save <= s and start_key == start_of
                                                         for p, s, start_of in exhausted):
                     report.neighbourhood_skipped += 1  # its neighbourhood was searched at a looser pair
                     return None
                 report.neighbourhood_solves += 1
                 kwargs = {"start": best[0], "flips": neighbourhood_flips}
-                return best, pool.submit(solve_one, peak, save, kwargs)
-            kwargs = {"start": best[0] if best is not None and warm_start else None}
             return best, pool.submit(solve_one, peak, save, kwargs)
 
         def conclude(q: tuple[int, int], best, solution) -> None:

@@ -258,6 +258,31 @@ def test_pairs_without_a_proven_looser_pair_start_from_the_solutions_of_stopped_
     assert len(started) == 35 and started.count(False) == 9
 
 
+def _stall_started_solves(monkeypatch):
+    """Make every time solve with a start (and without ``flips``) stop at its time limit on its
+    start; neighbourhood solves (``flips``) run. Returns the lists the solves are recorded in:
+    the stalled solves' starts, and the neighbourhood solves' (flips, start, solution)."""
+    real_solve = RkCheckmateILP.solve
+    stalled, near = [], []
+
+    def stalling(self, peak_bytes, save_bytes=None, *, objective="time", start=None, flips=None, **kwargs):
+        if objective == "time" and start is not None and flips is None:
+            stalled.append(start)
+            return ILPSolution(True, computes=list(start), status="Optimal", time_limit_hit=True)
+        solution = real_solve(self, peak_bytes, save_bytes, objective=objective, start=start, flips=flips, **kwargs)
+        if flips is not None:
+            near.append((flips, start, solution))
+        return solution
+
+    monkeypatch.setattr(RkCheckmateILP, "solve", stalling)
+    return stalled, near
+
+
+def _best_time(options, peak, save):
+    """The time of the fastest of ``options`` that fits (peak, save), or None."""
+    return min((o.time_s for o in options if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
+
+
 def test_a_class_whose_solves_stall_keeps_the_starts_of_its_other_pairs(monkeypatch):
     """``stalled_solves``: once that many solves have hit their time limit without bettering
     their start, the pairs after them that have a start keep it without a solve: the options
@@ -265,16 +290,7 @@ def test_a_class_whose_solves_stall_keeps_the_starts_of_its_other_pairs(monkeypa
     from solvers.block_options import GridReport
 
     graph = attention_like_graph()
-    real_solve = RkCheckmateILP.solve
-    solves = []
-
-    def stalling(self, peak_bytes, save_bytes=None, *, objective="time", start=None, **kwargs):
-        if objective == "time" and start is not None:
-            solves.append(start)
-            return ILPSolution(True, computes=list(start), status="Optimal", time_limit_hit=True)
-        return real_solve(self, peak_bytes, save_bytes, objective=objective, start=start, **kwargs)
-
-    monkeypatch.setattr(RkCheckmateILP, "solve", stalling)
+    solves, _ = _stall_started_solves(monkeypatch)
     every = solve_class_options(graph, peak_steps=6, save_steps=6, workers=1).options
     solved = len(solves)
     solves.clear()
@@ -294,35 +310,22 @@ def test_a_class_whose_solves_stall_solves_its_other_pairs_near_their_starts(mon
     from solvers.block_options import GridReport
 
     graph = attention_like_graph()
-    real_solve = RkCheckmateILP.solve
-    stalled, near = [], []
-
-    def stalling(self, peak_bytes, save_bytes=None, *, objective="time", start=None, flips=None, **kwargs):
-        if objective == "time" and start is not None and flips is None:
-            stalled.append(start)
-            return ILPSolution(True, computes=list(start), status="Optimal", time_limit_hit=True)
-        solution = real_solve(self, peak_bytes, save_bytes, objective=objective, start=start, flips=flips, **kwargs)
-        if flips is not None:
-            near.append((flips, option_from_computes(graph, start).time_s,
-                         option_from_computes(graph, solution.computes).time_s, solution.neighbourhood))
-        return solution
-
-    monkeypatch.setattr(RkCheckmateILP, "solve", stalling)
+    stalled, near = _stall_started_solves(monkeypatch)
     kept = solve_class_options(graph, peak_steps=6, save_steps=6, workers=1, stalled_solves=2, ilp_solver="highs")
     stalled.clear()
     report = GridReport()
     options = solve_class_options(graph, peak_steps=6, save_steps=6, workers=1, stalled_solves=2,
                                   neighbourhood_flips=3, ilp_solver="highs", report=report).options
+    times = [(flips, option_from_computes(graph, start).time_s, option_from_computes(graph, solution.computes).time_s,
+              solution.neighbourhood) for flips, start, solution in near]
     assert len(stalled) == 2 and report.neighbourhood_solves == len(near) >= 5 and report.stall_skipped == 0
-    assert all(flips == 3 and proves_nothing and after <= before + 1e-12 for flips, before, after, proves_nothing in near)
-    assert sum(after < before - 1e-12 for _, before, after, _ in near) >= 1
+    assert all(flips == 3 and proves_nothing and after <= before + 1e-12 for flips, before, after, proves_nothing in times)
+    assert sum(after < before - 1e-12 for _, before, after, _ in times) >= 1
     assert report.neighbourhood_skipped >= 3
     # the options of the neighbourhood solves are at least as fast as the kept starts' at every grid pair
-    def best(opts, peak, save):
-        return min((o.time_s for o in opts if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
     pairs = {(o.peak_bytes, o.saved_bytes) for o in kept.options + options}
-    assert all(best(options, p, q) <= best(kept.options, p, q) + 1e-12 for p, q in pairs
-               if best(kept.options, p, q) is not None)
+    assert all(_best_time(options, p, q) <= _best_time(kept.options, p, q) + 1e-12 for p, q in pairs
+               if _best_time(kept.options, p, q) is not None)
 
 
 @pytest.mark.skipif(not highs_available(), reason="no highspy")
@@ -333,17 +336,7 @@ def test_a_neighbourhood_searched_at_a_looser_pair_is_not_searched_again(monkeyp
     from solvers import block_options
 
     graph = attention_like_graph()
-    real_solve = RkCheckmateILP.solve
-    near = []
-
-    def stalling(self, peak_bytes, save_bytes=None, *, objective="time", start=None, flips=None, **kwargs):
-        if objective == "time" and start is not None and flips is None:
-            return ILPSolution(True, computes=list(start), status="Optimal", time_limit_hit=True)
-        if flips is not None:
-            near.append(peak_bytes)
-        return real_solve(self, peak_bytes, save_bytes, objective=objective, start=start, flips=flips, **kwargs)
-
-    monkeypatch.setattr(RkCheckmateILP, "solve", stalling)
+    _, near = _stall_started_solves(monkeypatch)
 
     def grid():
         near.clear()
@@ -355,11 +348,8 @@ def test_a_neighbourhood_searched_at_a_looser_pair_is_not_searched_again(monkeyp
     monkeypatch.setattr(block_options, "SKIP_SEARCHED_NEIGHBOURHOODS", False)
     every, all_solves = grid()
     assert solves <= all_solves - 3
-
-    def best(opts, peak, save):
-        return min((o.time_s for o in opts if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
     pairs = {(o.peak_bytes, o.saved_bytes) for o in every + skipping}
-    assert all(best(skipping, p, q) == pytest.approx(best(every, p, q), rel=0.01) for p, q in pairs)
+    assert all(_best_time(skipping, p, q) == pytest.approx(_best_time(every, p, q), rel=0.01) for p, q in pairs)
 
 
 def _binaries(ilp, computes):
