@@ -407,8 +407,14 @@ class RockmateSolver(ChainPlanner):
     # wall-clock cap on one class's grid: the pairs not started by then are left out (the
     # class keeps its lowest and fastest options, solved first); bounds planning time on
     # blocks of 60+ computes whose every ILP hits ``time_limit_s``. It counts the grid's waits
-    # for a solver slot that the grid beside it holds (``_solve_classes``). None: no cap
-    grid_time_limit_s: float | None = 60.0
+    # for a solver slot that the grid beside it holds (``_solve_classes``). None: no cap.
+    # 30 s since the bound solves start from the repairs' lowest schedules (a 30 s cap had cut
+    # LongT5's min-peak retry before, its minimum budget 18.8% higher): against 60 s, LongT5
+    # 81.5 -> 51.5 s, RecurrentGemma 52.4 -> 33.8 s, MobileViT 109 -> 80 s, Mamba2 51 -> 35 s
+    # (13-budget sweeps of their measured-cost chains), the same minimum budgets (LongT5's 4.6%
+    # lower) and plans within -2.6%..+2.1% at equal budgets (the runs' noise: their solves are
+    # cut by wall-clock limits)
+    grid_time_limit_s: float | None = 30.0
     # a class with more computes gets Rotor's options (keep everything, or recompute the whole
     # block): its ILP is too big to plan in time (T5's merged encoder-decoder class of 245
     # computes: 205 s in the two bound solves alone, each far past its limit, and no option
