@@ -52,7 +52,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from rkgb.cdgraph import CDGraph
-from solvers.checkmate_ilp import ILPSolution, RkCheckmateILP, default_ilp_solver
+from solvers.checkmate_ilp import RkCheckmateILP, default_ilp_solver
 from solvers.option_repair import ScheduleRepair
 from solvers.options import BlockOption, ClassOptions, autograd_option, no_grad_forward, option_from_computes
 
@@ -248,35 +248,39 @@ def solve_class_options(
 
     def bound(objective: str, descended: tuple[list[str], BlockOption] | None):
         """The min-peak or min-save solve, from ``descended`` (the repairs' lowest schedule) as
-        its start. It sets the grid's range and the class's minimum budget, so one stopped by
-        the time limit (a loaded machine) is retried with 5x the time, unless it is within
-        ``BOUND_RETRY_GAP`` of its bound or bettered nothing of its start (module constants)."""
+        its start: the lowest schedule found and its option (None: none). It sets the grid's
+        range and the class's minimum budget, so one stopped by the time limit (a loaded
+        machine) is retried with 5x the time, unless it is within ``BOUND_RETRY_GAP`` of its
+        bound or bettered nothing of its start (module constants)."""
         began = time.perf_counter()
         within = BOUND_GAP.get(ilp_solver, gap)
+        source = f"min {objective}"
         value = (lambda o: o.peak_bytes) if objective == "peak" else (lambda o: o.saved_bytes)
 
         def lowest(solution):
-            """``solution``, or the start where the simulator measures the start lower."""
-            found = measured(solution, "")
-            if descended is None or (found is not None and value(found) <= value(descended[1])):
-                return solution, found
-            return ILPSolution(True, computes=descended[0], status="repaired", time_limit_hit=solution.time_limit_hit,
-                               gap=solution.gap), descended[1]
+            """The schedule of ``solution`` and its option, or the start's where the simulator
+            measures the start lower (the solver keeps its start, but measures by its model)."""
+            found = measured(solution, source)
+            if descended is not None and (found is None or value(descended[1]) < value(found)):
+                descended[1].source, descended[1].time_limit_hit = source, solution.time_limit_hit
+                return descended
+            return None if found is None else (solution.computes, found)
 
         kwargs = {"objective": objective, "start": None if descended is None else descended[0]}
-        solution, found = lowest(solve_one(None, None, kwargs, within=within))
-        if solution.feasible and not solution.time_limit_hit:
-            return solution
-        if solution.feasible and solution.gap is not None and solution.gap <= BOUND_RETRY_GAP:
+        solution = solve_one(None, None, kwargs, within=within)
+        best = lowest(solution)
+        if best is not None and not solution.time_limit_hit:
+            return best
+        if best is not None and solution.gap is not None and solution.gap <= BOUND_RETRY_GAP:
             report.notes.append(f"min-{objective} solve hit its {time_limit_s} s limit within "
                                 f"{solution.gap:.2%} of its bound: kept")
-            return solution
+            return best
         if descended is not None and solution.gap is not None and math.isfinite(solution.gap) \
-                and value(found) >= value(descended[1]):
+                and value(best[1]) >= value(descended[1]):
             # (past its root, where the solver has a bound: a loaded machine stops it before)
             report.notes.append(f"min-{objective} solve hit its {time_limit_s} s limit without bettering the "
                                 f"repairs' schedule ({solution.gap:.1%} above its bound): kept")
-            return solution
+            return best
         # (not where the retry, as long as this solve and 5x its limit, would end past the
         # grid's time limit: a block so big that writing and presolving its model take longer
         # than the limit itself, where more time finds nothing either)
@@ -285,13 +289,14 @@ def solve_class_options(
                 time.perf_counter() - start + spent + 4 * time_limit_s > grid_time_limit_s:
             report.notes.append(f"min-{objective} solve hit its {time_limit_s} s limit ({spent:.1f} s in all); "
                                 "not retried: the retry would end past the grid's time limit")
-            return solution
-        if solution.feasible and descended is not None:
-            kwargs["start"] = solution.computes
-        retry, _ = lowest(solve_one(None, None, kwargs, 5 * time_limit_s, within=within))
+            return best
+        if best is not None and descended is not None:
+            kwargs["start"] = best[0]
+        again = solve_one(None, None, kwargs, 5 * time_limit_s, within=within)
         report.notes.append(f"min-{objective} solve hit its {time_limit_s} s limit; retried with "
-                            f"{5 * time_limit_s} s ({'proven' if retry.feasible and not retry.time_limit_hit else 'limit hit again'})")
-        return retry if retry.feasible or not solution.feasible else solution
+                            f"{5 * time_limit_s} s ({'proven' if again.feasible and not again.time_limit_hit else 'limit hit again'})")
+        retry = lowest(again)
+        return retry if retry is not None else best
 
     def measured(solution, source: str) -> BlockOption | None:
         if not solution.feasible:
@@ -313,16 +318,15 @@ def solve_class_options(
         for objective in ("peak", "save"):
             descended = repairer.lowest(autograd_computes, objective) if repairer is not None and warm_start else None
             bounds_solves.append(pool.submit(bound, objective, descended))
-        peak_solution, save_solution = (f.result() for f in bounds_solves)
-        lowest_peak = measured(peak_solution, "min peak")
-        lowest_save = measured(save_solution, "min save")
-        for o in (lowest_peak, lowest_save):
-            if o is not None:
-                options.append(o)
-                report.time_limit_hits += int(o.time_limit_hit)
+        # (each the lowest schedule and its option, or None)
+        lowest_peak, lowest_save = (f.result() for f in bounds_solves)
+        for found in (lowest_peak, lowest_save):
+            if found is not None:
+                options.append(found[1])
+                report.time_limit_hits += int(found[1].time_limit_hit)
         report.bounds_s = time.perf_counter() - start - report.build_s
-        min_peak = lowest_peak.peak_bytes if lowest_peak else top.peak_bytes
-        min_save = lowest_save.saved_bytes if lowest_save else top.saved_bytes
+        min_peak = lowest_peak[1].peak_bytes if lowest_peak else top.peak_bytes
+        min_save = lowest_save[1].saved_bytes if lowest_save else top.saved_bytes
         peaks = _linspace(min_peak, top.peak_bytes, peak_steps)
         saves = _linspace(min_save, top.saved_bytes, save_steps)
         peak_range = max(1, top.peak_bytes - min_peak)
@@ -335,10 +339,10 @@ def solve_class_options(
         # count among that pair's); a pair reads the solutions of looser pairs only, so that what
         # it finds does not depend on which other pairs are done when it is decided
         known: list[tuple[list[str], BlockOption, tuple[int, int]]] = [
-            ([c.name for c in graph.compute_nodes], top, (-1, 0))]
-        for solution, option in ((peak_solution, lowest_peak), (save_solution, lowest_save)):
-            if option is not None:
-                known.append((solution.computes, option, (-1, len(known))))
+            (autograd_computes, top, (-1, 0))]
+        for found in (lowest_peak, lowest_save):
+            if found is not None:
+                known.append((*found, (-1, len(known))))
         grid_options: list[tuple[tuple[int, int], BlockOption]] = []  # the grid's, by origin
         # (peak budget, save budget, near-optimal option, its computes) of pairs answered with a proof
         answered: list[tuple[int, int, BlockOption, list[str]]] = [

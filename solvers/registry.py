@@ -750,17 +750,18 @@ def _raised(chain: ModelChain, solver: ChainPlanner, budget: int, held: int, pla
     step's start; counted from each allocation's first run, the plan's peak is lower, and the
     plan of a higher target may fit the budget too: without this, a plan could be slower than
     the plan of a lower budget (the zoo's GPT: at 15 of 17 budgets; with it, none, and
-    RecurrentGemma's measured chain plans 0.9-28% faster at 10 of 13 budgets). The target is raised by the last plan's slack under the budget (by
-    half as much after a plan that does not fit), ``RAISED_TARGETS`` times at most (dynamic
-    programs over the options already made)."""
+    RecurrentGemma's measured chain plans 0.9-28% faster at 10 of 13 budgets). The target is
+    raised by the last plan's slack under the budget (by half as much after a plan that does
+    not fit), ``RAISED_TARGETS`` times at most: dynamic programs over the options already made
+    (``ChainPlanner._attempt``: a target without a plan costs no search of the minimum)."""
     began = time.perf_counter()
     best, target = plan, budget - held
     step = budget - _exact_peak(chain, plan.schedule)
     for _ in range(RAISED_TARGETS):
         if step <= 0:
             break
-        candidate = solver.solve(chain, target + step)
-        exact = _exact_peak(chain, candidate.schedule) if candidate.feasible else None
+        candidate, _ = solver._attempt(chain, target + step)
+        exact = None if candidate is None else _exact_peak(chain, candidate.schedule)
         if exact is None or exact > budget:
             step //= 2  # too far: half as far
             continue
@@ -768,8 +769,9 @@ def _raised(chain: ModelChain, solver: ChainPlanner, budget: int, held: int, pla
         if candidate.predicted_time < best.predicted_time:
             best = candidate
         step = budget - exact
-    if best is not plan:  # (the planning time of the first plan, the options' above all, and the raises')
+    if best is not plan:  # (the first plan's timings, the options' above all, and notes on its classes)
         best.timings = dict(plan.timings)
+        best.notes += [note for note in plan.notes if note.startswith(ROTOR_OPTIONS)]
         best.solve_time_s = plan.solve_time_s
     best.timings["raised targets"] = time.perf_counter() - began
     best.solve_time_s += best.timings["raised targets"]
