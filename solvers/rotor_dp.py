@@ -27,9 +27,11 @@ relative to what is alive outside it, is:
 
 The DP works on memory slots relative to the budget (``slots`` of ``ceil(budget / slots)``
 bytes; sizes are rounded up, so a feasible answer is feasible in bytes), is vectorized over the
-slots with numpy, iterative (no recursion), and solves once each sub-chain whose sequence of
-classes it has already seen (a chain of 256 identical blocks has only 2 x 256 distinct
-sub-chains).
+slots, and over a block's options and the splits of a sub-chain, with numpy (the first of equal
+times kept, as one after another would: the same strategies on 1200 DPs of random and
+transformer chains; a 52-block Llama-24 chain's DP 0.13 -> 0.08 s), iterative (no recursion),
+and solves once each sub-chain whose sequence of classes it has already seen (a chain of 256
+identical blocks has only 2 x 256 distinct sub-chains).
 """
 
 from __future__ import annotations
@@ -154,14 +156,38 @@ def strategy_peak(costs: ChainCosts, actions: list[ChainAction]) -> int:
     return peak
 
 
-def _shift(values: np.ndarray, by: int) -> np.ndarray:
-    """``out[m] = values[m - by]`` (infeasible where ``m < by``)."""
-    if by <= 0:
-        return values
-    out = np.full_like(values, INFEASIBLE)
-    if by < len(values):
-        out[by:] = values[: len(values) - by]
-    return out
+def _shifted(padded: np.ndarray, by: int, size: int) -> np.ndarray:
+    """``out[m] = values[m - by]`` (infeasible where ``m < by``) from ``padded``: ``size``
+    infeasible slots then ``values``; a view (no array made per shift: the DP makes ~14000 of
+    them on a 52-block chain)."""
+    by = min(max(int(by), 0), size)
+    return padded[size - by: 2 * size - by]
+
+
+def _best_option(figures: np.ndarray, inner: bool, last: bool, d_t: int, k_t: int, loss_slots: int,
+                 loss_time: float, following: np.ndarray | None, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The best time at each memory slot over a block's options (``figures``: one row of forward
+    peak, backward peak, saved slots and time per option) and the option giving it (the first of
+    equals; -1 where none fits): all options at once, the same figures as one after another.
+    ``inner``: the sub-chain goes on after the block (``following``: its times by slot, after
+    ``size`` infeasible slots)."""
+    if len(figures) == 0:
+        return np.full(size, INFEASIBLE), np.full(size, -1, dtype=np.int32)
+    forward, backward, saved, time = (figures[:, i] for i in range(4))
+    if inner:
+        threshold = np.maximum(d_t + forward, k_t + backward)
+        # the following sub-chain's times shifted by each option's saved slots
+        columns = np.maximum(size + np.arange(size)[None, :] - saved.astype(np.int64)[:, None], 0)
+        candidates = following[columns] + time[:, None]
+    else:
+        threshold = np.maximum(np.maximum(forward, saved + loss_slots), backward) if last \
+            else np.maximum(d_t + forward, backward)
+        candidates = np.repeat((time + loss_time if last else time)[:, None], size, axis=1)
+    candidates[np.arange(size)[None, :] < threshold[:, None]] = INFEASIBLE
+    choice = np.argmin(candidates, axis=0).astype(np.int32)
+    best = candidates[choice, np.arange(size)]
+    choice[~np.isfinite(best)] = -1
+    return best, choice
 
 
 def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrategy | None:
@@ -199,6 +225,7 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
         for b in blocks
     ]
     loss_slots = c(costs.loss_overhead + blocks[-1].output_grad_bytes)
+    option_arrays = [np.array(block_options, dtype=np.float64).reshape(-1, 4) for block_options in options]
 
     # ids of sub-chains (s, t): equal when the sequences of classes are equal (and t = n or not)
     keys = [b.class_key if b.class_key is not None else ("block", i) for i, b in enumerate(blocks)]
@@ -212,6 +239,8 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
             sub_id[s, t] = table.setdefault((previous, t == n - 1), len(table))
 
     values: dict[int, np.ndarray] = {}
+    padded: dict[int, np.ndarray] = {}  # each key's values after as many infeasible slots
+    slot_numbers = np.arange(size)
     choices: dict[int, np.ndarray] = {}
     n_options = [len(b.options) for b in blocks]
     no_grad_time = np.array([b.no_grad_time for b in blocks])
@@ -226,41 +255,33 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
             last = t == n - 1
             d_t = 0 if last else grad[t]
             k_t = out[n - 1] if last else 0  # the user keeps the model's outputs
-            best = np.full(size, INFEASIBLE)
-            choice = np.full(size, -1, dtype=np.int32)
-            for index, (fwd, bwd, saved, time) in enumerate(options[s]):
-                if s < t:
-                    threshold = max(d_t + fwd, k_t + bwd)
-                    candidate = _shift(values[int(sub_id[s + 1, t])], saved) + time
-                elif last:
-                    threshold = max(fwd, saved + loss_slots, bwd)
-                    candidate = np.full(size, time + costs.loss_time)
-                else:
-                    threshold = max(d_t + fwd, bwd)
-                    candidate = np.full(size, time)
-                if threshold >= size:
-                    continue
-                candidate[:threshold] = INFEASIBLE
-                better = candidate < best
-                best = np.where(better, candidate, best)
-                choice[better] = index
+            best, choice = _best_option(option_arrays[s], s < t, last, d_t, k_t, loss_slots, costs.loss_time,
+                                        padded[int(sub_id[s + 1, t])] if s < t else None, size)
+            # or the blocks s..split-1 without grad first, every split at once (the first of
+            # equal times kept: an option before the splits, a split before later ones)
+            splits, thresholds = [], []
             fn_peak = 0
             for split in range(s + 1, t + 1):
                 k = split - 1  # block run without grad, its output is x_k
                 fn_peak = max(fn_peak, (out[k - 1] if k > s else 0) + no_grad[k])
-                threshold = d_t + fn_peak
-                if threshold >= size:
+                if d_t + fn_peak >= size:
                     break
-                candidate = (
-                    _shift(values[int(sub_id[split, t])], out[k])
-                    + _shift(values[int(sub_id[s, split - 1])], k_t)
-                    + (no_grad_cumulative[split] - no_grad_cumulative[s])
+                splits.append(split)
+                thresholds.append(d_t + fn_peak)
+            if splits:
+                candidates = (
+                    np.stack([_shifted(padded[int(sub_id[split, t])], out[split - 1], size) for split in splits])
+                    + np.stack([_shifted(padded[int(sub_id[s, split - 1])], k_t, size) for split in splits])
+                    + (no_grad_cumulative[splits] - no_grad_cumulative[s])[:, None]
                 )
-                candidate[:threshold] = INFEASIBLE
-                better = candidate < best
-                best = np.where(better, candidate, best)
-                choice[better] = n_options[s] + (split - s - 1)
+                candidates[slot_numbers[None, :] < np.array(thresholds)[:, None]] = INFEASIBLE
+                rows = np.concatenate([best[None, :], candidates])
+                winner = np.argmin(rows, axis=0)
+                best = rows[winner, slot_numbers]
+                split_won = winner > 0
+                choice[split_won] = n_options[s] + (winner[split_won] - 1)
             values[key] = best
+            padded[key] = np.concatenate([np.full(size, INFEASIBLE), best])
             choices[key] = choice
 
     top = values[int(sub_id[0, n - 1])]
