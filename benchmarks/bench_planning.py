@@ -1,6 +1,7 @@
 """Where planning time goes, per model: capture, inspection, each class's option grid, the DP;
 then the same build again with the plan cache and the inspection's cache (a new process's
-view: empty memory, the disk entries of the first build).
+view: empty memory, the disk entries of the first build: the plan itself is read,
+:mod:`solvers.plan_cache`).
 
     .venv/bin/python benchmarks/bench_planning.py                      # every model below
     .venv/bin/python benchmarks/bench_planning.py --models gpt2 llama  # some
@@ -166,7 +167,8 @@ def main() -> None:
               f"{timings.get('capture', 0):>8.1f} {timings.get('inspect', 0):>8.1f} {timings.get('options', 0):>8.1f} "
               f"{timings.get('dp', 0):>6.2f} {total:>7.1f} {slowest[0][11:] + f' {slowest[1]:.1f} s':>36} "
               f"{total_again:>9.1f} {again.plan.timings.get('capture', 0):>11.1f} {options_again:>11.2f} "
-              f"(cache: {second.hits} hits, {second.misses} misses)",
+              + (f"(plan read from the plan cache in {again.plan.timings['plan cache']:.2f} s)"
+                 if "plan cache" in again.plan.timings else f"(cache: {second.hits} hits, {second.misses} misses)"),
               flush=True)
 
 

@@ -16,6 +16,7 @@ A solver object is anything with ``name``, ``solve(chain, budget) -> Plan`` and
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -25,6 +26,7 @@ from rkgb.cdgraph import DataKind, ModelChain, data_name, renamed_data
 from solvers.block_options import GridReport, solve_class_options
 from solvers.checkmate_ilp import RkCheckmateILP, default_ilp_solver
 from solvers.option_cache import OptionCache, default_cache
+from solvers.plan_cache import PlanCache, chain_times, plan_key
 from solvers.options import (
     BlockOption,
     ClassOptions,
@@ -475,6 +477,13 @@ class RockmateSolver(ChainPlanner):
             self._options_of(chain, index)
             self.option_seconds[self._timing_key(chain, index)] = time.perf_counter() - clock
 
+    def settings(self) -> tuple:
+        """What this solver's plans depend on besides the chain and the budget (the plan cache's
+        key, :mod:`solvers.plan_cache`): its settings and the raise's."""
+        skipped = {"reports", "cache", "option_seconds", "dp_seconds"}
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                     if not f.name.startswith("_") and f.name not in skipped) + (("raised targets", RAISED_TARGETS),)
+
     def twin_lead(self, chain: ModelChain, index: int) -> int:
         """The class whose grid class ``index`` shares (:func:`solvers.twin_classes.twin_leads`
         among the chain's classes solved by a grid): ``index`` itself where none, or where
@@ -738,7 +747,17 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
     if budget < 0:
         raise ValueError(f"budget must be a number of bytes >= 0, got {budget!r}")
     solver = get_solver(solver, **options)
-    budget, held = int(budget), _held_bytes(chain)
+    budget = int(budget)
+    cache = PlanCache(solver.cache.directory) if isinstance(solver, RockmateSolver) and solver.cache is not None \
+        and solver.cache.directory and chain.blocks else None
+    if cache is not None:
+        began = time.perf_counter()
+        key, times = plan_key(chain, budget, solver.settings()), chain_times(chain)
+        cached = _cached_plan(chain, budget, solver.name, cache.get(key, times))
+        if cached is not None:
+            cached.timings["plan cache"] = cached.solve_time_s = time.perf_counter() - began
+            return cached
+    held = _held_bytes(chain)
     plan = solver.solve(chain, budget - held) if chain.blocks and budget >= held else None
     if plan is not None and plan.feasible and isinstance(solver, ChainPlanner):
         plan = _raised(chain, solver, budget, held, plan)
@@ -772,7 +791,23 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
     if not plan.feasible:
         plan.min_budget = _minimum(chain, plan.min_budget, lowest)
         plan.notes[0] = f"budget {budget} B is below the minimum {plan.min_budget} B of solver {plan.solver!r}"
+    elif cache is not None:
+        cache.put(key, times, {"ops": list(plan.schedule.ops), "notes": list(plan.notes),
+                               "time_limit_hit": plan.time_limit_hit})
     return plan
+
+
+def _cached_plan(chain: ModelChain, budget: int, name: str, fields: dict | None) -> Plan | None:
+    """The plan of the plan cache's ``fields`` (:mod:`solvers.plan_cache`), its figures simulated
+    on ``chain``; None where there are none or where it does not fit ``budget`` so counted."""
+    if fields is None:
+        return None
+    plan = _plan(chain, budget, name, Schedule(list(fields["ops"])), notes=list(fields["notes"]),
+                 time_limit_hit=bool(fields["time_limit_hit"]))
+    plan.held_bytes = chain.held_bytes
+    plan.first_run_bytes = chain.first_run_bytes
+    plan.predicted_peak = _exact_peak(chain, plan.schedule)
+    return plan if plan.predicted_peak <= budget else None
 
 
 def _raised(chain: ModelChain, solver: ChainPlanner, budget: int, held: int, plan: Plan) -> Plan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from rkgb.build import build
 from rockmate import Rockmate
 from solvers import registry
 from solvers.option_cache import OptionCache
+from solvers.plan_cache import plan_key
 from zoo import ZOO
 
 GRID = dict(peak_steps=3, save_steps=3)
@@ -24,16 +26,34 @@ def _chain():
     return build(model, sample, cost_model="flops").model_chain
 
 
-def test_a_second_build_reads_every_option_from_disk(tmp_path):
+def test_a_second_build_reads_its_plan_and_another_budget_every_option_from_disk(tmp_path, monkeypatch):
+    """The same chain and budget again (a new process: nothing in memory): the plan is read from
+    disk (``solvers.plan_cache``), no DP, no option read; the same schedule and figures. Another
+    budget: every option read from disk, none solved. A cached plan that no longer fits (a chain
+    whose figures moved) is planned again."""
     chain = _chain()
     budget = registry.min_budget(chain, "rockmate", cache=OptionCache(), **GRID) * 3 // 2
     first = OptionCache(directory=str(tmp_path))
     plan = registry.solve(chain, budget, "rockmate", cache=first, **GRID)
-    assert first.misses == len({b.class_index for b in chain.blocks}) and list(tmp_path.glob("*.pkl"))
+    assert first.misses == len({b.class_index for b in chain.blocks}) and list(tmp_path.glob("plan-*.pkl"))
+    dps = []
+    real_solve_chain = registry.solve_chain
+    monkeypatch.setattr(registry, "solve_chain", lambda *args: dps.append(args) or real_solve_chain(*args))
     again = OptionCache(directory=str(tmp_path))  # as in a new process: nothing in memory
     replanned = registry.solve(_chain(), budget, "rockmate", cache=again, **GRID)
-    assert again.misses == 0 and again.hits == first.misses
-    assert replanned.schedule == plan.schedule and replanned.predicted_peak == plan.predicted_peak
+    assert again.misses == again.hits == 0 and not dps and "plan cache" in replanned.timings
+    assert replanned.schedule == plan.schedule and replanned.predicted_peak == plan.predicted_peak <= budget
+    assert replanned.predicted_time == plan.predicted_time and replanned.notes == plan.notes
+    other = registry.solve(_chain(), budget + 4096, "rockmate", cache=again, **GRID)
+    assert again.misses == 0 and again.hits == first.misses and dps and other.feasible
+    # the plan file of the first budget, given a schedule whose peak is above it: planned again
+    path = tmp_path / f"plan-{plan_key(chain, budget, registry.RockmateSolver(**GRID).settings())}.pkl"
+    times, fields = pickle.loads(path.read_bytes())
+    top = registry.solve(chain, 10**12, "none")
+    path.write_bytes(pickle.dumps((times, {**fields, "ops": list(top.schedule.ops)})))
+    dps.clear()
+    third = registry.solve(_chain(), budget, "rockmate", cache=OptionCache(directory=str(tmp_path)), **GRID)
+    assert dps and third.schedule == plan.schedule and "plan cache" not in third.timings
 
 
 def test_timing_noise_reuses_options_and_other_timings_do_not(tmp_path):
