@@ -332,7 +332,10 @@ def test_a_class_whose_solves_stall_keeps_the_starts_of_its_other_pairs(monkeypa
     report = GridReport()
     options = solve_class_options(graph, peak_steps=6, save_steps=6, workers=1, stalled_solves=2,
                                   report=report).options
-    assert len(solves) == 2 and solved >= 2 + report.stall_skipped and report.stall_skipped >= 5
+    # (2 stalls, then the skips; a pair decided while the second stalled solve ran, before it was
+    # concluded, is solved too: whether the worker had finished it by then is the threads' timing,
+    # once seen in CI)
+    assert 2 <= len(solves) <= 4 and solved >= len(solves) + report.stall_skipped and report.stall_skipped >= 5
     assert [o.key() for o in options] == [o.key() for o in every]
 
 
@@ -353,7 +356,8 @@ def test_a_class_whose_solves_stall_solves_its_other_pairs_near_their_starts(mon
                                   neighbourhood_flips=3, ilp_solver="highs", report=report).options
     times = [(flips, option_from_computes(graph, start).time_s, option_from_computes(graph, solution.computes).time_s,
               solution.neighbourhood) for flips, start, solution in near]
-    assert len(stalled) == 2 and report.neighbourhood_solves == len(near) >= 5 and report.stall_skipped == 0
+    # (as in the test above: a pair decided before the second stall was concluded may be solved in full)
+    assert 2 <= len(stalled) <= 4 and report.neighbourhood_solves == len(near) >= 5 and report.stall_skipped == 0
     assert all(flips == 3 and proves_nothing and after <= before + 1e-12 for flips, before, after, proves_nothing in times)
     assert sum(after < before - 1e-12 for _, before, after, _ in times) >= 1
     assert report.neighbourhood_skipped >= 3
