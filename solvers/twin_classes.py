@@ -12,10 +12,13 @@ Such twins share one grid: the lead (the first of them) is solved, and each of i
 schedules is measured on the twin's own graph by the simulator (:func:`solvers.options.
 option_from_schedule`), so every figure the DP and the budget check use is the twin's own, exact;
 what may be lost is optimality, where the twin's own grid would have found other schedules. So
-only classes whose costs are close are twins (:data:`MAX_TIME_DIFFERENCE`,
-:data:`MAX_OVERHEAD_DIFFERENCE`). Measured on T5 (4 + 4 layers, d=64: five attention classes of
-45-47 computes, two pairs of twins): see :class:`solvers.registry.RockmateSolver`'s
-``share_twin_grids``.
+only classes whose costs are close are twins: their times alike under the criterion by which the
+option cache reuses a class's options for a rebuild (:func:`solvers.option_cache.similar_times`;
+the cache reuses the old figures too, a twin gets its own), their temporary memories within
+:data:`MAX_OVERHEAD_DIFFERENCE` of the peak (a convolution of 3x3 kernels and one of 1x1 kernels
+of the same shapes, half of a block's time, are no twins: that op's share 5x apart). Measured on
+T5 (4 + 4 layers, d=64: five attention classes of 45-47 computes, two pairs of twins): see
+:class:`solvers.registry.RockmateSolver`'s ``share_twin_grids``.
 """
 
 from __future__ import annotations
@@ -24,16 +27,17 @@ import dataclasses
 
 from rkgb.cdgraph import CDGraph, ComputeKind
 from solvers.block_options import pareto_front
+from solvers.option_cache import similar_times
 from solvers.options import ClassOptions, autograd_option, no_grad_forward, option_from_schedule
 from solvers.schedule import Compute, Schedule
 
-__all__ = ["MAX_OVERHEAD_DIFFERENCE", "MAX_TIME_DIFFERENCE", "structure_key", "twin_leads", "options_of_twin"]
+__all__ = ["MAX_OVERHEAD_DIFFERENCE", "structure_key", "twin_leads", "options_of_twin"]
 
 # the compute nodes' fields that are measured costs (the rest is the graph's structure)
 COST_FIELDS = frozenset({"time_s", "overhead_bytes", "no_grad_overhead_bytes", "handoff_overhead_bytes"})
-# twins' node times differ by at most this fraction of the larger whole time (:func:`time_distance`)
-MAX_TIME_DIFFERENCE = 0.5
-# and their temporary memories by at most this fraction of the lead's peak without recomputation
+# twins' times are alike as the option cache's are (:func:`solvers.option_cache.similar_times`:
+# each operation's share of the class's time within 4x, those under 5% aside), and their
+# temporary memories by at most this fraction of the lead's peak without recomputation
 # (:func:`overhead_distance`)
 MAX_OVERHEAD_DIFFERENCE = 0.05
 
@@ -50,12 +54,6 @@ def structure_key(graph: CDGraph) -> tuple:
                                                            "side_data", "dropped_outputs")))
 
 
-def time_distance(lead: CDGraph, other: CDGraph) -> float:
-    """The sum over the nodes of the differences of their times, over the larger whole time."""
-    whole = max(sum(c.time_s for c in lead.compute_nodes), sum(c.time_s for c in other.compute_nodes), 1e-30)
-    return sum(abs(a.time_s - b.time_s) for a, b in zip(lead.compute_nodes, other.compute_nodes)) / whole
-
-
 def overhead_distance(lead: CDGraph, other: CDGraph) -> int:
     """The sum over the nodes of the largest difference of their temporary memories (a
     forward's with and without grad, a backward's with and without the hand-off), in bytes."""
@@ -66,7 +64,8 @@ def overhead_distance(lead: CDGraph, other: CDGraph) -> int:
 
 def _close(lead: CDGraph, other: CDGraph) -> bool:
     """Whether the costs of two graphs of one structure are close enough to share a grid."""
-    return time_distance(lead, other) <= MAX_TIME_DIFFERENCE and \
+    times = [tuple(node.time_s for node in graph.compute_nodes) for graph in (lead, other)]
+    return similar_times(*times) and \
         overhead_distance(lead, other) <= MAX_OVERHEAD_DIFFERENCE * autograd_option(lead).peak_bytes
 
 
