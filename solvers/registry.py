@@ -780,14 +780,7 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
                 plan = lowest
             elif plan is None:
                 plan = _infeasible(chain, budget, solver.name, solver_minimum)
-    # the memory the executor holds besides the CD-graph's data (ModelChain.held_bytes and
-    # first_run_bytes): the solvers plan within the budget less all of it; the prediction
-    # counts each first-run allocation from the first run of its node
-    plan.budget = budget
-    plan.held_bytes = chain.held_bytes
-    plan.first_run_bytes = chain.first_run_bytes
-    if plan.feasible:
-        plan.predicted_peak = _exact_peak(chain, plan.schedule)
+    _count_exactly(chain, plan, budget)
     if not plan.feasible:
         plan.min_budget = _minimum(chain, plan.min_budget, lowest)
         plan.notes[0] = f"budget {budget} B is below the minimum {plan.min_budget} B of solver {plan.solver!r}"
@@ -804,10 +797,19 @@ def _cached_plan(chain: ModelChain, budget: int, name: str, fields: dict | None)
         return None
     plan = _plan(chain, budget, name, Schedule(list(fields["ops"])), notes=list(fields["notes"]),
                  time_limit_hit=bool(fields["time_limit_hit"]))
+    _count_exactly(chain, plan, budget)
+    return plan if plan.predicted_peak <= budget else None
+
+
+def _count_exactly(chain: ModelChain, plan: Plan, budget: int) -> None:
+    """``plan`` for ``budget`` with the memory the executor holds besides the CD-graph's data
+    (``ModelChain.held_bytes`` and ``first_run_bytes``): the solvers plan within the budget less
+    all of it; the prediction counts each first-run allocation from the first run of its node."""
+    plan.budget = budget
     plan.held_bytes = chain.held_bytes
     plan.first_run_bytes = chain.first_run_bytes
-    plan.predicted_peak = _exact_peak(chain, plan.schedule)
-    return plan if plan.predicted_peak <= budget else None
+    if plan.feasible:
+        plan.predicted_peak = _exact_peak(chain, plan.schedule)
 
 
 def _raised(chain: ModelChain, solver: ChainPlanner, budget: int, held: int, plan: Plan) -> Plan:

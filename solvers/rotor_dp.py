@@ -173,19 +173,20 @@ def _best_option(figures: np.ndarray, inner: bool, last: bool, d_t: int, k_t: in
     ``size`` infeasible slots)."""
     if len(figures) == 0:
         return np.full(size, INFEASIBLE), np.full(size, -1, dtype=np.int32)
+    slot_numbers = np.arange(size)
     forward, backward, saved, time = (figures[:, i] for i in range(4))
     if inner:
         threshold = np.maximum(d_t + forward, k_t + backward)
         # the following sub-chain's times shifted by each option's saved slots
-        columns = np.maximum(size + np.arange(size)[None, :] - saved.astype(np.int64)[:, None], 0)
+        columns = np.maximum(size + slot_numbers[None, :] - saved.astype(np.int64)[:, None], 0)
         candidates = following[columns] + time[:, None]
     else:
         threshold = np.maximum(np.maximum(forward, saved + loss_slots), backward) if last \
             else np.maximum(d_t + forward, backward)
         candidates = np.repeat((time + loss_time if last else time)[:, None], size, axis=1)
-    candidates[np.arange(size)[None, :] < threshold[:, None]] = INFEASIBLE
+    candidates[slot_numbers[None, :] < threshold[:, None]] = INFEASIBLE
     choice = np.argmin(candidates, axis=0).astype(np.int32)
-    best = candidates[choice, np.arange(size)]
+    best = candidates[choice, slot_numbers]
     choice[~np.isfinite(best)] = -1
     return best, choice
 
@@ -238,8 +239,8 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
             previous = prefix.setdefault((previous, keys[t]), len(prefix))
             sub_id[s, t] = table.setdefault((previous, t == n - 1), len(table))
 
-    values: dict[int, np.ndarray] = {}
-    padded: dict[int, np.ndarray] = {}  # each key's values after as many infeasible slots
+    # each sub-chain's best time by slot, after ``size`` infeasible slots (shifts are views of it)
+    padded: dict[int, np.ndarray] = {}
     slot_numbers = np.arange(size)
     choices: dict[int, np.ndarray] = {}
     n_options = [len(b.options) for b in blocks]
@@ -250,7 +251,7 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
         for s in range(0, n - length + 1):
             t = s + length - 1
             key = int(sub_id[s, t])
-            if key in values:
+            if key in padded:
                 continue
             last = t == n - 1
             d_t = 0 if last else grad[t]
@@ -280,11 +281,10 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
                 best = rows[winner, slot_numbers]
                 split_won = winner > 0
                 choice[split_won] = n_options[s] + (winner[split_won] - 1)
-            values[key] = best
             padded[key] = np.concatenate([np.full(size, INFEASIBLE), best])
             choices[key] = choice
 
-    top = values[int(sub_id[0, n - 1])]
+    top = padded[int(sub_id[0, n - 1])][size:]
     budget_slot = size - 1
     if not np.isfinite(top[budget_slot]):
         return None
@@ -300,7 +300,7 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
         _, s, t, m = item
         key = int(sub_id[s, t])
         picked = int(choices[key][m])
-        assert picked >= 0 and np.isfinite(values[key][m]), "DP reconstruction reached an infeasible state"
+        assert picked >= 0 and np.isfinite(padded[key][size + m]), "DP reconstruction reached an infeasible state"
         last = t == n - 1
         if picked < n_options[s]:
             saved = options[s][picked][2]
