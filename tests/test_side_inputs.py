@@ -52,6 +52,46 @@ class _EncoderDecoder(nn.Module):
         return h, memory
 
 
+class _BiasedLayers(nn.Module):
+    """Two layers whose mixing reads a bias that the first layer makes from a parameter (a branch
+    off the main line, as T5's position bias), each followed by a feed-forward block: the second
+    layer's read is the bias's one read beyond its own block and the next."""
+
+    def __init__(self, width: int = 16, length: int = 8) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(length, length))
+        self.mix = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.ff = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)) for _ in range(2))
+
+    def forward(self, x):
+        h, bias = torch.tanh(x), None
+        for mix, ff in zip(self.mix, self.ff):
+            mixed = mix(h)
+            if bias is None:
+                bias = torch.softmax(self.table * 2, dim=-1)
+            h = h + torch.tanh(bias @ mixed)
+            h = h + ff(h)
+        return h
+
+
+class _LongSkip(nn.Module):
+    """A U-Net's skip in one dimension: the first activation of the main line, read again by the
+    last layer only."""
+
+    def __init__(self, width: int = 16, depth: int = 6) -> None:
+        super().__init__()
+        self.down = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.up = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        skip = torch.tanh(x)
+        h = torch.relu(self.down[0](skip))
+        for layer in self.down[1:]:
+            h = torch.relu(layer(h)) + h
+        return self.up(torch.cat([skip, h], -1))
+
+
 def _sample(*shapes):
     generator = torch.Generator().manual_seed(0)
     return tuple(torch.randn(*shape, generator=generator) for shape in shapes)
@@ -82,6 +122,31 @@ def test_side_inputs_are_chosen_only_where_blocks_are_too_big():
     assert choose_side_inputs(graphs.simplified, max_block_nodes=8) == {"sigmoid"}
     chain = cut_chain(graphs.simplified, max_block_nodes=40)
     assert [b.nodes for b in chain.blocks] == [b.nodes for b in graphs.chain.blocks]
+
+
+def test_a_branch_read_once_beyond_the_next_block_stays_a_side_input_and_a_skip_goes_back():
+    """Both tensors have one reader beyond their own block and the next one. The bias is a
+    branch off the main line (T5's position bias in a 2-layer stack): as a side input the layers
+    split into blocks of at most 6 nodes (one block of 14 without). The skip is the main line's
+    activation, the next block's input (a U-Net's): left to the block's own plan."""
+    torch.manual_seed(0)
+    graphs = build(_BiasedLayers(), _sample((2, 8, 16)), cost_model="flops", max_block_nodes=None)
+    assert max(len(b.nodes) for b in graphs.chain.blocks) == 14
+    assert choose_side_inputs(graphs.simplified, max_block_nodes=8) == {"softmax"}
+    chain = cut_chain(graphs.simplified, max_block_nodes=8)
+    assert [len(b.nodes) for b in chain.blocks] == [1, 6, 4, 4, 4]
+    assert [b.side_inputs for b in chain.blocks] == [[], [], [], ["softmax"], []]
+    graphs = build(_LongSkip(), _sample((2, 16)), cost_model="flops", max_block_nodes=None)
+    assert choose_side_inputs(graphs.simplified, max_block_nodes=8) == set()
+    assert [len(b.nodes) for b in cut_chain(graphs.simplified, max_block_nodes=8).blocks] == [1, 18, 1]
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.3])
+def test_a_bias_read_by_two_layers_is_exact_and_under_budget(fraction):
+    torch.manual_seed(0)
+    report = check_training(_BiasedLayers(), _sample((2, 8, 16)), fraction, max_block_nodes=8)
+    assert report is not None
+    assert [b.side_inputs for b in report.compiled.graphs.chain.blocks if b.side_inputs] == [["softmax"]]
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
