@@ -76,13 +76,13 @@ class _BiasedLayers(nn.Module):
 
 
 class _LongSkip(nn.Module):
-    """A U-Net's skip in one dimension: the first activation of the main line, read again by the
-    last layer only."""
+    """A U-Net's skip in one dimension: the first activation of the main line (``features``
+    wide), read again by the last layer only; the layers between are ``width`` wide."""
 
-    def __init__(self, width: int = 16, depth: int = 6) -> None:
+    def __init__(self, features: int = 16, width: int = 16, depth: int = 6) -> None:
         super().__init__()
-        self.down = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
-        self.up = nn.Linear(2 * width, width)
+        self.down = nn.ModuleList(nn.Linear(features if i == 0 else width, width) for i in range(depth))
+        self.up = nn.Linear(features + width, width)
 
     def forward(self, x):
         skip = torch.tanh(x)
@@ -137,8 +137,29 @@ def test_a_branch_read_once_beyond_the_next_block_stays_a_side_input_and_a_skip_
     assert [len(b.nodes) for b in chain.blocks] == [1, 6, 4, 4, 4]
     assert [b.side_inputs for b in chain.blocks] == [[], [], [], ["softmax"], []]
     graphs = build(_LongSkip(), _sample((2, 16)), cost_model="flops", max_block_nodes=None)
+    assert graphs.simplified.node("tanh").size_bytes / sum(n.size_bytes for n in graphs.simplified.nodes) > 0.04
     assert choose_side_inputs(graphs.simplified, max_block_nodes=8) == set()
     assert [len(b.nodes) for b in cut_chain(graphs.simplified, max_block_nodes=8).blocks] == [1, 18, 1]
+
+
+def test_a_skip_under_a_hundredth_of_the_activations_stays_a_side_input():
+    """A narrow skip past wide layers (MobileViT's residual past its transformer) is pinned: the
+    layers split into blocks of at most 3 nodes (one block of 18 without)."""
+    torch.manual_seed(0)
+    graphs = build(_LongSkip(features=4, width=256), _sample((2, 4)), cost_model="flops", max_block_nodes=None)
+    assert graphs.simplified.node("tanh").size_bytes / sum(n.size_bytes for n in graphs.simplified.nodes) < 0.01
+    assert choose_side_inputs(graphs.simplified, max_block_nodes=8) == {"tanh"}
+    chain = cut_chain(graphs.simplified, max_block_nodes=8)
+    assert max(len(b.nodes) for b in chain.blocks) == 3
+    assert [b.side_inputs for b in chain.blocks if b.side_inputs] == [["tanh"]]
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.3])
+def test_a_narrow_skip_is_exact_and_under_budget(fraction):
+    torch.manual_seed(0)
+    report = check_training(_LongSkip(features=4, width=256), _sample((2, 4)), fraction, max_block_nodes=8)
+    assert report is not None
+    assert [b.side_inputs for b in report.compiled.graphs.chain.blocks if b.side_inputs] == [["tanh"]]
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
