@@ -24,7 +24,7 @@ from solvers.option_cache import similar_times
 __all__ = ["PLAN_FORMAT", "PlanCache", "plan_key", "chain_times"]
 
 # bump when the plan of a given chain, budget and settings changes (the DP, the raise, the grids)
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: the raised targets read from one DP table
 
 
 def _without_times(chain: ModelChain) -> ModelChain:

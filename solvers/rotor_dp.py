@@ -31,7 +31,11 @@ slots, and over a block's options and the splits of a sub-chain, with numpy (the
 times kept, as one after another would: the same strategies on 1200 DPs of random and
 transformer chains; a 52-block Llama-24 chain's DP 0.13 -> 0.08 s), iterative (no recursion),
 and solves once each sub-chain whose sequence of classes it has already seen (a chain of 256
-identical blocks has only 2 x 256 distinct sub-chains).
+identical blocks has only 2 x 256 distinct sub-chains). The sub-chains' times are the rows of
+one array, each split's shifted times gathered from it at once (a 108-block MobileViT chain's
+DP 1.4 -> 1.2 s). A slot's figures depend on the lower slots only: the tables made for one
+budget and reaching further (:class:`ChainTable`) give any budget up to there its strategy,
+with no DP of its own.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ __all__ = [
     "ChainCosts",
     "ChainAction",
     "ChainStrategy",
+    "ChainTable",
+    "chain_table",
     "solve_chain",
     "strategy_peak",
     "strategy_time",
@@ -156,14 +162,6 @@ def strategy_peak(costs: ChainCosts, actions: list[ChainAction]) -> int:
     return peak
 
 
-def _shifted(padded: np.ndarray, by: int, size: int) -> np.ndarray:
-    """``out[m] = values[m - by]`` (infeasible where ``m < by``) from ``padded``: ``size``
-    infeasible slots then ``values``; a view (no array made per shift: the DP makes ~14000 of
-    them on a 52-block chain)."""
-    by = min(max(int(by), 0), size)
-    return padded[size - by: 2 * size - by]
-
-
 def _best_option(figures: np.ndarray, inner: bool, last: bool, d_t: int, k_t: int, loss_slots: int,
                  loss_time: float, following: np.ndarray | None, size: int) -> tuple[np.ndarray, np.ndarray]:
     """The best time at each memory slot over a block's options (``figures``: one row of forward
@@ -208,11 +206,45 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
     -------
     ChainStrategy or None when no strategy fits (at this discretization).
     """
+    table = chain_table(costs, budget, slots)
+    return None if table is None else table.strategy(budget)
+
+
+@dataclass
+class ChainTable:
+    """The DP's tables: each sub-chain's best time at every slot of ``unit`` bytes up to
+    ``size - 1`` slots, and the choice giving it. A slot's figures depend on the lower slots
+    only, so the strategy of any budget up to ``(size - 1) * unit`` bytes is read back from
+    them (:meth:`strategy`) as a DP of that budget with this slot would find it, with no DP of
+    its own (``solvers.registry``'s raised targets read theirs so)."""
+
+    costs: ChainCosts
+    unit: int
+    size: int
+    sub_id: np.ndarray
+    padded: np.ndarray
+    choices: dict[int, np.ndarray]
+    options: list[list[tuple]]
+    out: list[int]
+
+    def covers(self, budget: int) -> bool:
+        return 0 <= budget // self.unit < self.size
+
+    def strategy(self, budget: int) -> ChainStrategy | None:
+        """The fastest strategy whose peak is at most ``budget`` (at this table's slot; within
+        :meth:`covers`), or None."""
+        assert self.covers(budget), f"budget {budget} B beyond the table's {self.size - 1} slots of {self.unit} B"
+        return _reconstruct(self, budget // self.unit)
+
+
+def chain_table(costs: ChainCosts, budget: int, slots: int = 500, reach: int | None = None) -> ChainTable | None:
+    """The DP's tables with slots of ``ceil(budget / slots)`` bytes up to ``max(budget, reach)``
+    bytes; None for an empty chain or a negative budget."""
     n = len(costs.blocks)
     if n == 0 or budget < 0:
         return None
     unit = max(1, math.ceil(budget / slots))
-    size = budget // unit + 1
+    size = max(budget, reach or 0) // unit + 1
 
     def c(x: int) -> int:
         return -(-int(x) // unit)
@@ -232,26 +264,34 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
     keys = [b.class_key if b.class_key is not None else ("block", i) for i, b in enumerate(blocks)]
     prefix: dict[tuple, int] = {}
     sub_id = np.full((n, n), -1, dtype=np.int64)
-    table: dict[tuple, int] = {}
+    sub_chains: dict[tuple, int] = {}
     for s in range(n):
         previous = -1
         for t in range(s, n):
             previous = prefix.setdefault((previous, keys[t]), len(prefix))
-            sub_id[s, t] = table.setdefault((previous, t == n - 1), len(table))
+            sub_id[s, t] = sub_chains.setdefault((previous, t == n - 1), len(sub_chains))
 
-    # each sub-chain's best time by slot, after ``size`` infeasible slots (shifts are views of it)
-    padded: dict[int, np.ndarray] = {}
+    # each sub-chain's best time by slot after ``size`` infeasible slots, one row per sub-chain
+    # id (a shift of it is a slice: out[m] = row[size + m - by])
+    padded = np.empty((len(sub_chains), 2 * size))
+    padded[:, :size] = INFEASIBLE
+    solved = np.zeros(len(sub_chains), dtype=bool)
     slot_numbers = np.arange(size)
     choices: dict[int, np.ndarray] = {}
     n_options = [len(b.options) for b in blocks]
     no_grad_time = np.array([b.no_grad_time for b in blocks])
     no_grad_cumulative = np.concatenate([[0.0], np.cumsum(no_grad_time)])
+    out_array = np.array(out, dtype=np.int64)
+    # the peak of running block k without grad after block s (its input x_{k-1} alive): for k = s
+    # the input is outside (``no_grad_first``)
+    no_grad_first = np.array(no_grad, dtype=np.int64)
+    no_grad_after = np.concatenate([[0], out_array[:-1]]) + no_grad_first
 
     for length in range(1, n + 1):
         for s in range(0, n - length + 1):
             t = s + length - 1
             key = int(sub_id[s, t])
-            if key in padded:
+            if solved[key]:
                 continue
             last = t == n - 1
             d_t = 0 if last else grad[t]
@@ -259,37 +299,43 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
             best, choice = _best_option(option_arrays[s], s < t, last, d_t, k_t, loss_slots, costs.loss_time,
                                         padded[int(sub_id[s + 1, t])] if s < t else None, size)
             # or the blocks s..split-1 without grad first, every split at once (the first of
-            # equal times kept: an option before the splits, a split before later ones)
-            splits, thresholds = [], []
-            fn_peak = 0
-            for split in range(s + 1, t + 1):
-                k = split - 1  # block run without grad, its output is x_k
-                fn_peak = max(fn_peak, (out[k - 1] if k > s else 0) + no_grad[k])
-                if d_t + fn_peak >= size:
-                    break
-                splits.append(split)
-                thresholds.append(d_t + fn_peak)
-            if splits:
-                candidates = (
-                    np.stack([_shifted(padded[int(sub_id[split, t])], out[split - 1], size) for split in splits])
-                    + np.stack([_shifted(padded[int(sub_id[s, split - 1])], k_t, size) for split in splits])
-                    + (no_grad_cumulative[splits] - no_grad_cumulative[s])[:, None]
-                )
-                candidates[slot_numbers[None, :] < np.array(thresholds)[:, None]] = INFEASIBLE
+            # equal times kept: an option before the splits, a split before later ones); the
+            # splits that fit: those whose forward without grad peaks under the slots
+            if s < t:
+                peaks = np.maximum.accumulate(np.concatenate([no_grad_first[s:s + 1], no_grad_after[s + 1:t]]))
+                fitting = int(np.searchsorted(d_t + peaks >= size, True))
+            else:
+                fitting = 0
+            if fitting:
+                splits = np.arange(s + 1, s + 1 + fitting)
+                shifts = np.minimum(out_array[splits - 1], size)
+                after = padded[sub_id[splits, t][:, None], (size - shifts)[:, None] + slot_numbers[None, :]]
+                shift = min(k_t, size)
+                before = padded[sub_id[s, splits - 1], size - shift: 2 * size - shift]
+                candidates = after + before + (no_grad_cumulative[splits] - no_grad_cumulative[s])[:, None]
+                candidates[slot_numbers[None, :] < (d_t + peaks[:fitting])[:, None]] = INFEASIBLE
                 rows = np.concatenate([best[None, :], candidates])
                 winner = np.argmin(rows, axis=0)
                 best = rows[winner, slot_numbers]
                 split_won = winner > 0
                 choice[split_won] = n_options[s] + (winner[split_won] - 1)
-            padded[key] = np.concatenate([np.full(size, INFEASIBLE), best])
+            padded[key, size:] = best
+            solved[key] = True
             choices[key] = choice
 
+    return ChainTable(costs, unit, size, sub_id, padded, choices, options, out)
+
+
+def _reconstruct(table: ChainTable, budget_slot: int) -> ChainStrategy | None:
+    """The strategy of ``table`` at ``budget_slot`` (iterative: a stack of ("solve", s, t, m)
+    and ("emit", action)); None where no strategy fits."""
+    costs, sub_id, padded, choices, options, out = (table.costs, table.sub_id, table.padded, table.choices,
+                                                     table.options, table.out)
+    n, size = len(costs.blocks), table.size
+    n_options = [len(b.options) for b in costs.blocks]
     top = padded[int(sub_id[0, n - 1])][size:]
-    budget_slot = size - 1
     if not np.isfinite(top[budget_slot]):
         return None
-
-    # reconstruction, iterative: a stack of ("solve", s, t, m) and ("emit", action)
     actions: list[ChainAction] = []
     stack: list[tuple] = [("solve", 0, n - 1, budget_slot)]
     while stack:
@@ -323,6 +369,6 @@ def solve_chain(costs: ChainCosts, budget: int, slots: int = 500) -> ChainStrate
         actions=actions,
         time_s=strategy_time(costs, actions),
         peak_bytes=strategy_peak(costs, actions),
-        slot_bytes=unit,
+        slot_bytes=table.unit,
         notes=[f"dp time {time_s!r}"],
     )

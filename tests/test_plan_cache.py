@@ -36,9 +36,10 @@ def test_a_second_build_reads_its_plan_and_another_budget_every_option_from_disk
     first = OptionCache(directory=str(tmp_path))
     plan = registry.solve(chain, budget, "rockmate", cache=first, **GRID)
     assert first.misses == len({b.class_index for b in chain.blocks}) and list(tmp_path.glob("plan-*.pkl"))
-    dps = []
-    real_solve_chain = registry.solve_chain
-    monkeypatch.setattr(registry, "solve_chain", lambda *args: dps.append(args) or real_solve_chain(*args))
+    dps = []  # the DPs made: their tables (chain_table) or a strategy directly (solve_chain)
+    for name in ("solve_chain", "chain_table"):
+        monkeypatch.setattr(registry, name, lambda *args, real=getattr(registry, name), **kwargs:
+                            dps.append(args) or real(*args, **kwargs))
     again = OptionCache(directory=str(tmp_path))  # as in a new process: nothing in memory
     replanned = registry.solve(_chain(), budget, "rockmate", cache=again, **GRID)
     assert again.misses == again.hits == 0 and not dps and "plan cache" in replanned.timings

@@ -7,7 +7,7 @@ import pytest
 
 from solvers.options import ClassOptions, autograd_option, no_grad_forward, option_from_computes
 from solvers.registry import ChainPlanner, RotorSolver, no_recompute_schedule
-from solvers.rotor_dp import ChainAction, solve_chain, strategy_peak, strategy_time
+from solvers.rotor_dp import ChainAction, chain_table, solve_chain, strategy_peak, strategy_time
 from solvers.simulate import simulate
 from solvers.toy_graphs import chain_of, linear_graph, random_chain, residual_graph
 
@@ -162,6 +162,32 @@ def test_prediction_equals_simulation_with_discretization(seed):
             assert plan.baseline_time <= plan.predicted_time + 1e-9
         else:
             assert plan.min_budget > budget and plan.schedule.ops == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_table_reaching_further_gives_each_budget_the_strategy_of_its_own_dp(seed):
+    """The DP's tables made for one budget and reaching twice as far (``chain_table``, what the
+    registry's raised targets read) give every budget up to there the strategy of a DP of its
+    own at the same slot (one byte here: slots of 10**9), and the first budget's strategy the
+    same as a DP made for it alone (any slot)."""
+    rng = random.Random(seed)
+    chain = random_chain(rng, rng.randint(2, 7), n_classes=rng.randint(1, 3), nodes_per_block=rng.randint(2, 4))
+    costs, _ = TwoOptions(name="two").chain_costs(chain)
+    top = simulate(chain.whole_graph(), no_recompute_schedule(chain)).peak_bytes
+
+    def figures(strategy):
+        return None if strategy is None else (strategy.actions, strategy.time_s, strategy.peak_bytes)
+
+    compared = 0
+    for start in (top // 4, top // 2, 3 * top // 4):
+        exact = chain_table(costs, start, slots=10**9, reach=2 * start)
+        assert exact.unit == 1 and exact.covers(2 * start) and not exact.covers(2 * start + 1)
+        for budget in range(start, 2 * start + 1, max(1, start // 7)):
+            assert figures(exact.strategy(budget)) == figures(solve_chain(costs, budget, slots=10**9))
+            compared += 1
+        coarse = chain_table(costs, start, slots=40, reach=2 * start)
+        assert figures(coarse.strategy(start)) == figures(solve_chain(costs, start, slots=40))
+    assert compared >= 18
 
 
 def test_memory_is_relative_to_the_budget():
