@@ -298,7 +298,7 @@ class ChainPlanner:
     def solve(self, chain: ModelChain, budget: int, reach: int | None = None) -> Plan:
         """``reach``: the DP's tables reach this many bytes too (``last_table``; the registry's
         raised targets read their strategies from them)."""
-        self._reach = reach
+        self._reach, self.last_table = reach, None
         try:
             plan = self._solve(chain, budget)
         finally:
