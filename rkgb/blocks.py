@@ -24,21 +24,22 @@ one of its outputs until its own backward (so the tensor is never forgotten whil
 still run), and each block that reads it gets it as an input beside the chain's one, whose
 gradient its backward contributes to (the contributions add up across blocks as autograd adds
 them, later readers first). Side inputs are chosen only where a block would otherwise have
-more than ``max_block_nodes`` nodes, but a big *skip connection*: a block's last node (the main
-line's activation, the next block's input) that fewer than two nodes beyond its own block and
-the next one read (a U-Net's, read by one node of the decoder), of at least
-``SKIP_BYTES_FRACTION`` (1%) of the graph's activation bytes. It is better left to the block's
-own plan, which may recompute it: the bench U-Net's first skip (3.4% of its activations),
-pinned, raised its minimum budget from 0.312 to 0.382 of its activations and its predicted step
-times at 0.4-1.0 of them by up to 3.8% (flops costs; 0.394 to 0.484 with measured ones), for
-a plan barely faster to find (36 -> 32 s). A small one is pinned: MobileViT's residuals (0.02-0.13%
-of its activations, read again by the fusion after each block's transformer) put back made blocks of 57-95
-nodes and a 77 s first build; pinned, blocks of at most 14 nodes and 16 s, the same minimum
-budget and predicted step times within 0.7% (flops costs). A branch off the main line that one
-far node reads stays a side input, whatever its size: the position bias of a 2-layer T5 stack,
-made by the first layer's attention and read by the second's (put back, each stack was one block of 58-76 nodes and MT5's first build
-took 44-51 s; as side inputs, blocks of at most 25 nodes, 10-12 s, predicted step times within
--0.9..+0.4% at 0.4-1.0 of eager's peak, the minimum budget 0.329 of it instead of 0.311).
+more than ``max_block_nodes`` nodes, and only tensors that at least two nodes beyond their own
+block and the next one read (or the user, for a model output), but a small *skip connection*.
+
+A tensor read by one node beyond the next block is left to the block's own plan, which may
+recompute it. The bench U-Net's first skip (3.4% of its activations), pinned, raised its minimum
+budget from 0.312 to 0.382 of its activations and its predicted step times at 0.4-1.0 of them
+by up to 3.8% (flops costs; 0.394 to 0.484 with measured ones), for a plan barely faster to find
+(36 -> 32 s). Branches off the main line read once beyond the next block, pinned, cut planning
+3-5x but moved the minimum budget both ways (flops costs): MT5 at 2 layers (its position
+biases) +5.9%, LongT5 -7.2%, MPNet -4.5%, RecurrentGemma +9.1%, Mamba2 +20.4% (its chunked
+scan's intermediates, pinned through the next layer): left to their blocks. A skip connection
+(a block's last node, the main line's activation, the next block's input) under
+``SKIP_BYTES_FRACTION`` (1%) of the graph's activation bytes is pinned: MobileViT's residuals
+(0.02-0.13%, read again by the fusion after each block's transformer) put back made blocks of
+57-95 nodes and a 77 s first build; pinned, blocks of at most 14 nodes and 12.5-16.6 s, the same
+minimum budget and predicted step times within 0.7% (flops costs).
 
 Identical blocks (a transformer's layers) are recognized by an anonymized signature: the
 sequence of operations with their constant arguments and tensor shapes, where references to
@@ -161,10 +162,10 @@ def choose_side_inputs(graph: SimplifiedGraph, max_block_nodes: int = 40, max_tr
     positions (a tensor that all its layers read; a model output, which the user reads at
     the end) stops counting in the separator search; two such tensors may have to go before
     the block splits (T5's decoder reads the encoder's output and its own position bias).
-    Then the side inputs that no separator needs are put back, and the big skip connections: a
-    block's last node that fewer than two nodes beyond its own block and the next one read, of at
-    least ``SKIP_BYTES_FRACTION`` of the activations (pinning it costs more than the bigger
-    block). Each trial is one linear separator search.
+    Then the side inputs that no separator needs are put back, and those that fewer than two
+    nodes beyond their own block and the next one read but a skip connection (a block's last
+    node) under ``SKIP_BYTES_FRACTION`` of the activations. Each trial is one linear separator
+    search.
     """
     count = len(graph.nodes)
     if count == 0:
@@ -195,22 +196,19 @@ def choose_side_inputs(graph: SimplifiedGraph, max_block_nodes: int = 40, max_tr
             side.discard(name)
     outputs = set(graph.output_owners)
     least_pinned = SKIP_BYTES_FRACTION * sum(node.size_bytes for node in graph.nodes)
-    while True:  # and the skip connections too big to pin
-        spare = [name for name in sorted(side, key=position.get) if name not in outputs
-                 and _is_skip_connection(name, users, position, ranges)
-                 and graph.node(name).size_bytes >= least_pinned]
-        if not spare:
+
+    def spare(name: str) -> bool:  # one reader at most beyond the next block; a skip connection, big
+        if name in outputs or _readers_beyond(name, users, position, ranges) >= 2:
+            return False
+        ends_its_block = any(last == position[name] for _, last in ranges)
+        return not ends_its_block or graph.node(name).size_bytes >= least_pinned
+
+    while True:
+        found = next((name for name in sorted(side, key=position.get) if spare(name)), None)
+        if found is None:
             return side
-        side.discard(spare[0])
+        side.discard(found)
         ranges = _separator_state(graph, side, position)
-
-
-def _is_skip_connection(name: str, users: dict[str, list[str]], position: dict[str, int],
-                        ranges: list[tuple[int, int]]) -> bool:
-    """Whether node ``name`` is the last of its block (the main line's activation, the next
-    block's input) and fewer than two nodes read it beyond its own block and the next one."""
-    return any(last == position[name] for _, last in ranges) and \
-        _readers_beyond(name, users, position, ranges) < 2
 
 
 def _readers_beyond(name: str, users: dict[str, list[str]], position: dict[str, int],

@@ -124,18 +124,17 @@ def test_side_inputs_are_chosen_only_where_blocks_are_too_big():
     assert [b.nodes for b in chain.blocks] == [b.nodes for b in graphs.chain.blocks]
 
 
-def test_a_branch_read_once_beyond_the_next_block_stays_a_side_input_and_a_skip_goes_back():
-    """Both tensors have one reader beyond their own block and the next one. The bias is a
-    branch off the main line (T5's position bias in a 2-layer stack): as a side input the layers
-    split into blocks of at most 6 nodes (one block of 14 without). The skip is the main line's
-    activation, the next block's input (a U-Net's): left to the block's own plan."""
+def test_a_branch_and_a_big_skip_read_once_beyond_the_next_block_go_back():
+    """Both tensors have one reader beyond their own block and the next one: left to their
+    blocks' plans. The bias is a branch off the main line (T5's position bias in a 2-layer
+    stack): with it pinned the layers would split into blocks of at most 6 nodes (one of 14
+    without; pinned such branches moved minimum budgets by -7..+20%, see rkgb.blocks). The skip
+    is the main line's activation, the next block's input, 4% of the activations (a U-Net's)."""
     torch.manual_seed(0)
     graphs = build(_BiasedLayers(), _sample((2, 8, 16)), cost_model="flops", max_block_nodes=None)
     assert max(len(b.nodes) for b in graphs.chain.blocks) == 14
-    assert choose_side_inputs(graphs.simplified, max_block_nodes=8) == {"softmax"}
-    chain = cut_chain(graphs.simplified, max_block_nodes=8)
-    assert [len(b.nodes) for b in chain.blocks] == [1, 6, 4, 4, 4]
-    assert [b.side_inputs for b in chain.blocks] == [[], [], [], ["softmax"], []]
+    assert choose_side_inputs(graphs.simplified, max_block_nodes=8) == set()
+    assert [len(b.nodes) for b in cut_chain(graphs.simplified, max_block_nodes=8).blocks] == [1, 14, 4]
     graphs = build(_LongSkip(), _sample((2, 16)), cost_model="flops", max_block_nodes=None)
     assert graphs.simplified.node("tanh").size_bytes / sum(n.size_bytes for n in graphs.simplified.nodes) > 0.04
     assert choose_side_inputs(graphs.simplified, max_block_nodes=8) == set()
@@ -160,14 +159,6 @@ def test_a_narrow_skip_is_exact_and_under_budget(fraction):
     report = check_training(_LongSkip(features=4, width=256), _sample((2, 4)), fraction, max_block_nodes=8)
     assert report is not None
     assert [b.side_inputs for b in report.compiled.graphs.chain.blocks if b.side_inputs] == [["tanh"]]
-
-
-@pytest.mark.parametrize("fraction", [0.5, 0.3])
-def test_a_bias_read_by_two_layers_is_exact_and_under_budget(fraction):
-    torch.manual_seed(0)
-    report = check_training(_BiasedLayers(), _sample((2, 8, 16)), fraction, max_block_nodes=8)
-    assert report is not None
-    assert [b.side_inputs for b in report.compiled.graphs.chain.blocks if b.side_inputs] == [["softmax"]]
 
 
 @pytest.mark.parametrize("fraction", [0.5, 0.3])

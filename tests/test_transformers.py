@@ -62,7 +62,7 @@ MODELS = {
         vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64))),
     # T5: eager adds an all-ones attention mask that its compile path leaves out (the position
     # bias's gradients are then summed at the batch's shape); a position bias every layer reads
-    # (3 layers: two readers beyond the next block; 2 layers: tests/test_side_inputs.py's _BiasedLayers)
+    # (3 layers: with 2, one reader beyond the next block, left to its block by rkgb.blocks)
     "t5": lambda: _causal(T.T5ForConditionalGeneration(T.T5Config(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, decoder_start_token_id=0,
         pad_token_id=0))),
