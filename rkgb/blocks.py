@@ -197,7 +197,7 @@ def choose_side_inputs(graph: SimplifiedGraph, max_block_nodes: int = 40, max_tr
     outputs = set(graph.output_owners)
     least_pinned = SKIP_BYTES_FRACTION * sum(node.size_bytes for node in graph.nodes)
 
-    def spare(name: str) -> bool:  # one reader at most beyond the next block; a skip connection, big
+    def spare(name: str) -> bool:  # read once at most beyond the next block, and no small skip connection
         if name in outputs or _readers_beyond(name, users, position, ranges) >= 2:
             return False
         ends_its_block = any(last == position[name] for _, last in ranges)
