@@ -275,7 +275,6 @@ def chain_table(costs: ChainCosts, budget: int, slots: int = 500, reach: int | N
     # id (a shift of it is a slice: out[m] = row[size + m - by])
     padded = np.empty((len(sub_chains), 2 * size))
     padded[:, :size] = INFEASIBLE
-    solved = np.zeros(len(sub_chains), dtype=bool)
     slot_numbers = np.arange(size)
     choices: dict[int, np.ndarray] = {}
     n_options = [len(b.options) for b in blocks]
@@ -291,7 +290,7 @@ def chain_table(costs: ChainCosts, budget: int, slots: int = 500, reach: int | N
         for s in range(0, n - length + 1):
             t = s + length - 1
             key = int(sub_id[s, t])
-            if solved[key]:
+            if key in choices:  # (a sub-chain of the same classes, solved)
                 continue
             last = t == n - 1
             d_t = 0 if last else grad[t]
@@ -320,7 +319,6 @@ def chain_table(costs: ChainCosts, budget: int, slots: int = 500, reach: int | N
                 split_won = winner > 0
                 choice[split_won] = n_options[s] + (winner[split_won] - 1)
             padded[key, size:] = best
-            solved[key] = True
             choices[key] = choice
 
     return ChainTable(costs, unit, size, sub_id, padded, choices, options, out)
