@@ -1,0 +1,162 @@
+"""rkgb.decompose: the captured graphs are those of ``run_decompositions``'s retrace, node for node.
+
+Each model is captured twice, lowered in place (:mod:`rkgb.decompose`) and by the retrace
+(``rkgb.capture.LOWER_FUNCTIONAL_GRAPHS = False``); the two graphs must have the same nodes in the
+same order: operations, arguments, names, fake values (shapes, strides, dtypes, requires_grad and
+which storages alias), stack traces, module paths, the functions that made them and their
+provenance (``from_node``), and the same inputs, parameters, buffers and outputs. The one
+difference by design: an operation of a region run without grad has the region's own line as
+its stack trace, where the retrace's is a line of its generated code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import rkgb.capture as capture_module
+from rkgb.capture import _origins, capture, storage_identity
+from zoo import ZOO
+
+
+def _canonical(captured) -> tuple:
+    index: dict[torch.fx.Node, int] = {}
+    storages: dict[object, int] = {}
+    rows = []
+
+    def described(value):
+        if isinstance(value, torch.Tensor):
+            storage = storage_identity(value)
+            group = storages.setdefault(storage, len(storages)) if storage is not None else None
+            return (tuple(value.shape), tuple(value.stride()), value.dtype, value.device, value.requires_grad,
+                    group, value.storage_offset())
+        return repr(value)
+
+    for position, node in enumerate(captured.graph.nodes):
+        index[node] = position
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: ("node", index[n]))
+        trace = node.meta.get("stack_trace")
+        region = "<eval_with_key>" in str(trace) or any(o.startswith("wrap_with_set_grad_enabled")
+                                                         for o in _origins(node))
+        rows.append((node.op, str(node.target), node.name, repr(args), repr(kwargs),
+                     repr(pytree.tree_map(described, node.meta.get("val"))), "region" if region else trace,
+                     repr(node.meta.get("nn_module_stack")), repr(node.meta.get("torch_fn")),
+                     tuple(sorted(_origins(node)))))
+    return (rows, captured.parameters, captured.buffers, list(captured.constants), captured.inputs,
+            captured.user_outputs, captured.buffer_mutations, captured.constant_paths)
+
+
+def _both(model, sample):
+    lowered = capture(model, sample)
+    capture_module.LOWER_FUNCTIONAL_GRAPHS = False
+    try:
+        retraced = capture(model, sample)
+    finally:
+        capture_module.LOWER_FUNCTIONAL_GRAPHS = True
+    return lowered, retraced
+
+
+def _assert_same(lowered, retraced) -> None:
+    ours, theirs = _canonical(lowered), _canonical(retraced)
+    for position, (mine, their) in enumerate(zip(ours[0], theirs[0])):
+        if "region" in (mine[6], their[6]):  # (a detach of a region's result copies its trace)
+            mine, their = mine[:6] + mine[7:], their[:6] + their[7:]
+        assert mine == their, f"node {position} differs"
+    assert len(ours[0]) == len(theirs[0])
+    assert ours[1:] == theirs[1:]
+
+
+class _Everything(nn.Module):
+    """The operations the lowering rewrites, each way they go: ``reshape`` as a view and as a copy,
+    ``contiguous`` and ``to`` that are no-ops or copies, ``flatten``, dropout drawn and of
+    probability 0, a region without grad, a constant made by ``torch.tensor``, a tied parameter,
+    a buffer and a constant of one module with a buffer of its submodule (their order), a view
+    of a parameter (its value requires no grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Module()
+        self.inner.register_buffer("scale", torch.full((8,), 0.5))
+        self.register_buffer("offset", torch.zeros(8))
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+        self.second.weight = self.first.weight
+        self.pad = torch.ones(8)  # a plain tensor attribute: a constant
+
+    def forward(self, x):
+        y = self.first(x).reshape(4, 2, 8)  # a view
+        z = y.transpose(0, 1).reshape(8, 8)  # a copy
+        with torch.no_grad():
+            w = (self.inner.scale * 2).exp()
+        z = z.contiguous() + z.transpose(0, 1).contiguous()
+        z = F.dropout(z, 0.2, training=True) + F.dropout(z, 0.0, training=True)
+        z = z.to(torch.float32) + z.to(torch.float64).to(torch.float32)
+        mask = torch.tensor(-1.0)
+        z = torch.where(z > 0, z, mask) * w + self.offset + self.pad + self.first.weight.t()[0]
+        return self.second(z).flatten(), z.view(2, 4, 8).flatten(1)
+
+
+def test_a_module_of_every_rewritten_operation_is_lowered_as_the_retrace_lowers_it():
+    torch.manual_seed(0)
+    model = _Everything().train()
+    lowered, retraced = _both(model, (torch.randn(8, 8),))
+    assert lowered.retraced is None, lowered.retraced
+    assert retraced.retraced == "lowering off"
+    _assert_same(lowered, retraced)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_the_zoo_is_lowered_as_the_retrace_lowers_it(name):
+    model, sample = ZOO[name].build()
+    lowered, retraced = _both(model.train(), sample)
+    _assert_same(lowered, retraced)
+    if name in ("resnet", "unet"):  # (BatchNorm's statistics and in-place ReLUs: the retrace functionalizes)
+        assert "writes in place" in lowered.retraced
+    else:
+        assert lowered.retraced is None, lowered.retraced
+
+
+def test_an_in_place_write_leaves_the_graph_to_the_retrace():
+    class Writes(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.add_(1)
+            return y
+
+    lowered, retraced = _both(Writes(), (torch.randn(3),))
+    assert lowered.retraced == "aten.add_.Tensor writes in place"
+    _assert_same(lowered, retraced)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_transformers_models_are_lowered_as_the_retrace_lowers_them(name):
+    pytest.importorskip("transformers")
+    import test_transformers
+
+    from rockmate.api import _flat_call
+
+    model, call = test_transformers.MODELS[name]()
+    _, flat, sample = _flat_call(model.train(), call, None, None)
+    lowered, retraced = _both(flat, sample)
+    assert lowered.retraced is None, lowered.retraced  # (llama: a region without grad, real values)
+    _assert_same(lowered, retraced)
+
+
+def test_a_symbolic_value_leaves_the_graph_to_the_retrace_untouched():
+    class Item(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h * h.sum().item()
+
+    # (found before any operation is called again: a new unbacked symbol would be pending in
+    # the shape environment, and the retrace after would fail on it)
+    captured = capture(Item(), (torch.randn(2, 4),))
+    assert captured.retraced == "item is a symbolic value"
+    assert any(node.target is torch.ops.aten.item.default for node in captured.graph.nodes)
