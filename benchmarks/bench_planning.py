@@ -11,6 +11,8 @@ the encoder-decoders T5, BART and Whisper; d=64; random init, called with keywor
 as their users call them); ``gpt2-small-12``, ``llama-12`` (and ``-24``): GPT-2 small's
 shape and a Llama of its width, full size (d=768, sequence 256, batch 2). ``--max-block-nodes 0``: without side inputs (``rkgb.blocks``). One intra-op thread; measured costs (the
 default cost model). The cache directory is a temporary one, so that the first build solves.
+``--retrace``: the capture lowers its graph by ``run_decompositions``' retrace, as before
+:mod:`rkgb.decompose`.
 """
 
 from __future__ import annotations
@@ -143,7 +145,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gpt", "gpt2", "bert", "llama"])
     parser.add_argument("--fraction", type=float, default=0.5, help="of the no-recomputation peak")
     parser.add_argument("--max-block-nodes", type=int, default=40, help="0: no side inputs")
+    parser.add_argument("--retrace", action="store_true",
+                        help="capture with run_decompositions' retrace (before rkgb.decompose), to compare")
     args = parser.parse_args()
+    if args.retrace:
+        import rkgb.capture
+
+        rkgb.capture.LOWER_FUNCTIONAL_GRAPHS = False
     max_block_nodes = args.max_block_nodes or None
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
