@@ -14,11 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
 from torch import nn
 from torch.utils import _pytree as pytree
 
 import rkgb.capture as capture_module
+from random_models import make, programs
 from rkgb.capture import _origins, capture, storage_identity
+from rkgb.errors import CaptureError, UnsupportedOperation
 from zoo import ZOO
 
 
@@ -160,3 +163,17 @@ def test_a_symbolic_value_leaves_the_graph_to_the_retrace_untouched():
     captured = capture(Item(), (torch.randn(2, 4),))
     assert captured.retraced == "item is a symbolic value"
     assert any(node.target is torch.ops.aten.item.default for node in captured.graph.nodes)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(program=programs())
+def test_random_programs_are_lowered_as_the_retrace_lowers_them(program):
+    """The fuzzer's programs (tests/random_models.py: views, in-place writes, dropout, batch
+    norms, custom Functions...), captured both ways: the same graphs, where lowered in place and
+    where retraced."""
+    model, x = make(program)
+    try:
+        lowered, retraced = _both(model, (x,))
+    except (CaptureError, UnsupportedOperation):
+        return  # (refused both ways alike: the retrace is what refuses)
+    _assert_same(lowered, retraced)
