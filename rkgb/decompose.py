@@ -1,13 +1,13 @@
-"""``run_decompositions({})`` without its retrace, for graphs that write nothing in place.
+"""``run_decompositions({})`` without its retrace, for graphs that write no input in place.
 
 torch.export's training graph keeps CompositeImplicitAutograd operations that alias or draw
 (``reshape``, ``contiguous``, ``to``, ``flatten``, ``dropout``), regions run without grad
-(``wrap_with_set_grad_enabled``) and constants made fresh (``torch.tensor(...)``:
-``lift_fresh_copy``, ``detach_``); ``ExportedProgram.run_decompositions({})`` lowers them by
-tracing the whole program again (``ep.module()``, ``aot_export_module`` with functionalization
-and fake tensors): half of the capture's time (Llama-12 at d=768: 5.1-5.6 of its 10-12 s on a
-slow day), growing with depth. Where the graph writes nothing in place, functionalization has
-nothing to do, and the retrace
+(``wrap_with_set_grad_enabled``), constants made fresh (``torch.tensor(...)``:
+``lift_fresh_copy``, ``detach_``) and in-place writes (``add_``, ``masked_fill_``, ``x[i] = v``);
+``ExportedProgram.run_decompositions({})`` lowers them by tracing the whole program again
+(``ep.module()``, ``aot_export_module`` with functionalization and fake tensors): half of the
+capture's time (Llama-12 at d=768: 5.1-5.6 of its 10-12 s on a slow day), growing with depth.
+The retrace
 
 - calls each operation again on the fake values of its arguments, which the dispatcher hands
   on normalized (positional arguments up to the last one not at its default, keyword-only ones
@@ -16,23 +16,33 @@ nothing to do, and the retrace
   kernels (the Python dispatcher's decompositions first: ``dropout`` to ``native_dropout``),
   keeping the preserved ones whole (``linear``, ``layer_norm``, ``scaled_dot_product_attention``:
   ``torch.export.exported_program._override_composite_implicit_decomp``);
+- where the graph writes in place, runs the operations on functional tensors (torch's
+  functionalization: a write becomes its functional operation and the views of the written
+  tensor are made again from its new value, ``copy_`` onto a tensor of the graph's own its
+  functional form);
 - inlines the regions without grad, makes a constant's fresh copy a ``clone``;
 - gives each new node the metadata of the operation it comes from and its provenance
   (``from_node``), orders the inputs as its unlifted module lists them, and drops dead code.
 
 :func:`decompose_functional_graph` does that on the graph as it is: each operation is called on
-the fake values under a dispatch mode that records the operations reaching it (those the retrace
-would write), in a graph that then replaces the export's. A graph with anything else (an in-place
-write, a buffer mutation, another higher-order operation, a custom operator or Function) is
-left to ``run_decompositions``: the function says why and changes nothing. Its graphs are the
-retrace's, node for node (operations, arguments, names, fake values with their aliasing, stack
-traces, module paths, provenance; ``tests/test_decompose.py``, and 46 zoo and transformers
-models of the tests, 34 of them lowered here), but for the stack traces of a region's operations:
-the region's own lines, where the retrace's point into its generated code.
+the fake values (functional ones where the graph writes in place) under a dispatch mode that
+records the operations reaching it (those the retrace would write: in make_fx's proxy slot,
+below functionalization, where there is one), in a graph that then replaces the export's. A
+graph with anything else (a write into an input, a parameter or a buffer, whose new value the
+retrace makes an output; BatchNorm's running statistics; another higher-order operation; a
+custom operator or Function) is left to ``run_decompositions``: the function says why and
+changes nothing. Its graphs are the retrace's, node for node (operations, arguments, names,
+fake values with their aliasing, stack traces, module paths, provenance;
+``tests/test_decompose.py``, and 46 zoo and transformers models of the tests, 42 of them lowered
+here), but for the stack traces of a region's operations (the region's own lines, where the
+retrace's point into its generated code) and for the views that functionalization makes again
+for the outputs (no module stack and no ``torch_fn``, where the retrace leaves on them those it
+was at: an empty module stack and its last operation's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 
@@ -110,13 +120,60 @@ class _Recorder(TorchDispatchMode):
 
     def _annotate(self, node: torch.fx.Node, value) -> None:
         node.meta.update(self.meta)
-        node.meta["from_node"] = [NodeSource(self.source, _PASS, NodeSourceAction.CREATE)]
+        if self.source is not None:  # (None: functionalization's views made again for the outputs)
+            node.meta["from_node"] = [NodeSource(self.source, _PASS, NodeSourceAction.CREATE)]
         node.meta["val"] = value
 
     def made(self, value: torch.Tensor, node: torch.fx.Node) -> None:
         """``value`` is made by ``node`` (an operation's result, a placeholder)."""
         self.node_of[id(value)] = node
         self.keep.append(value)
+
+
+class _FunctionalizedRecorder(_Recorder):
+    """The recorder below functionalization: in the slot of make_fx's proxy mode (an infra
+    mode, which the dispatcher runs after the functionalization mode and before the fake one),
+    so that it records the functional operations that functionalization writes, as the
+    retrace's proxy mode does."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self._mode_key = torch._C._TorchDispatchModeKey.PROXY
+        # (functionalization asks the proxy mode's tracer for the node of a view it makes again
+        # after a write, whose stack trace the view made again takes: the retrace's replay)
+        self.tracer = _Tracker(self.node_of)
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:
+        return True
+
+    def _annotate(self, node: torch.fx.Node, value) -> None:
+        super()._annotate(node, value)
+        replayed = torch.fx.traceback.get_current_replay_node()
+        if replayed is not None:  # (torch.fx.proxy.TracerBase.create_node)
+            node.meta["is_functional_regenerated"] = True
+            for key in ("custom", "stack_trace"):
+                if key in replayed.meta:
+                    node.meta[key] = replayed.meta[key]
+
+
+class _Tracker:
+    """What functionalization reads of make_fx's tracer: ``tensor_tracker[tensor].proxy.node``."""
+
+    class _Entry:
+        def __init__(self, node: torch.fx.Node) -> None:
+            self.proxy = self
+            self.node = node
+
+    def __init__(self, node_of: dict) -> None:
+        self.tensor_tracker = self
+        self.node_of = node_of
+
+    def __getitem__(self, tensor: torch.Tensor) -> "_Tracker._Entry":
+        node = self.node_of.get(id(tensor))
+        if node is None:
+            raise KeyError(tensor)
+        return self._Entry(node)
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,9 +197,10 @@ def _fake_mode(graph: torch.fx.Graph):
     return None
 
 
-def _check_operations(graph: torch.fx.Graph) -> None:
-    """What the lowering cannot stand for, found before any work: an in-place write, an operation
-    of another namespace, a higher-order operation but a region without grad."""
+def _check_operations(graph: torch.fx.Graph, writes: list[str]) -> None:
+    """What the lowering cannot stand for, found before any work: an operation of another
+    namespace, a higher-order operation but a region without grad, a symbolic value. The
+    in-place writes are added to ``writes`` (their graph is functionalized)."""
     for node in graph.nodes:
         if _symbolic(node.meta.get("val")):
             # (``.item()``, a shape read from values: calling it again makes a new symbol, which
@@ -157,11 +215,41 @@ def _check_operations(graph: torch.fx.Graph) -> None:
             region = node.graph.owning_module.get_submodule(node.args[1].target) \
                 if isinstance(node.args[1], torch.fx.Node) else None
             if isinstance(region, torch.fx.GraphModule):
-                _check_operations(region.graph)
+                _check_operations(region.graph, writes)
         elif not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
             raise _NotFunctional(f"{target}")
         elif target._schema.is_mutable and target is not torch.ops.aten.detach_.default:
-            raise _NotFunctional(f"{target} writes in place")
+            written = _written_input(node)
+            if written is not None:  # (the retrace makes its new value an output: not done here)
+                raise _NotFunctional(f"{written}, an input, is written in place by {node.name}")
+            writes.append(node.name)
+        elif target in _WRITING_STATISTICS and node.args[5] is True and node.args[3] is not None:
+            raise _NotFunctional(f"{node.name} writes its running statistics (buffers) in place")
+
+
+# operations whose kernels write their running statistics in place in training (args: input,
+# weight, bias, running_mean, running_var, training, ...): their buffers become outputs
+_WRITING_STATISTICS = {torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default}
+
+
+def _written_input(node: torch.fx.Node) -> str | None:
+    """The placeholder (an input, parameter or buffer) that the in-place operation ``node``
+    writes, through the views its written argument is made of; None where it writes a tensor
+    of the graph's own."""
+    for argument, value in zip(node.target._schema.arguments, node.args):
+        if argument.alias_info is None or not argument.alias_info.is_write or not isinstance(value, torch.fx.Node):
+            continue
+        seen = set()
+        while value is not None and value.name not in seen:
+            seen.add(value.name)
+            if value.op == "placeholder":
+                return value.name
+            target = value.target
+            aliasing = isinstance(target, torch._ops.OpOverload) and any(
+                a.alias_info is not None and not a.alias_info.is_write for a in target._schema.arguments[:1]) \
+                and target._schema.returns and target._schema.returns[0].alias_info is not None
+            value = value.args[0] if aliasing and value.args and isinstance(value.args[0], torch.fx.Node) else None
+    return None
 
 
 def _symbolic(value) -> bool:
@@ -193,8 +281,9 @@ def decompose_functional_graph(exported, decompositions: dict) -> str | None:
         return "decompositions asked for"
     try:
         _check_signature(exported)
-        _check_operations(exported.graph)
-        graph, renamed = _lowered(exported)
+        writes: list[str] = []
+        _check_operations(exported.graph, writes)
+        graph, renamed = _lowered(exported, functionalize=bool(writes))
     except _NotFunctional as reason:
         return str(reason)
     except Exception as error:  # noqa: BLE001 a case this lowering does not know: the retrace's exact one instead
@@ -208,9 +297,12 @@ def decompose_functional_graph(exported, decompositions: dict) -> str | None:
     return None
 
 
-def _lowered(exported):
-    """The lowered graph and the names its outputs took (old name -> new)."""
+def _lowered(exported, functionalize: bool = False):
+    """The lowered graph and the names its outputs took (old name -> new). ``functionalize``:
+    the graph writes in place; its operations run on functional tensors (torch's
+    functionalization, as the retrace's), the recorder below it."""
     from torch._dispatch.python import enable_python_dispatcher
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
     from torch.export.exported_program import _override_composite_implicit_decomp
     from torch.export._trace import _ignore_backend_decomps
 
@@ -223,7 +315,8 @@ def _lowered(exported):
     node_of: dict[int, torch.fx.Node] = {}  # id(fake value) -> its node in the new graph
     keep: list = []
     value_of: dict[torch.fx.Node, object] = {}  # old node -> its value in the new graph
-    recorder = _Recorder(graph, node_of, keep)
+    recorder = (_FunctionalizedRecorder if functionalize else _Recorder)(graph, node_of, keep)
+    functional_inputs: list = []
     renamed: dict[str, str] = {}
     # the retrace's dispatch: below autograd (its values require no grad, but the
     # placeholders'), the Python dispatcher's decompositions, the preserved operations whole
@@ -231,7 +324,9 @@ def _lowered(exported):
     order = _placeholder_order(exported.graph_signature)
     placeholders = sorted((node for node in old.nodes if node.op == "placeholder"), key=lambda n: order[n.name])
     with fake_mode, torch.no_grad(), _ignore_backend_decomps(), enable_python_dispatcher(), \
-            _override_composite_implicit_decomp(cia_to_decomp):
+            _override_composite_implicit_decomp(cia_to_decomp), \
+            FunctionalTensorMode(pre_dispatch=False, export=True, _allow_token_discovery=True) \
+            if functionalize else contextlib.nullcontext(), recorder if functionalize else contextlib.nullcontext():
         for node in placeholders + [node for node in old.nodes if node.op != "placeholder"]:
             if node.op == "placeholder":
                 new = graph.placeholder(node.name, type_expr=node.type)
@@ -240,10 +335,24 @@ def _lowered(exported):
                 value = node.meta.get("val")
                 if isinstance(value, torch.Tensor):
                     recorder.made(value, new)
+                    if functionalize:
+                        value = FunctionalTensor.to_functional(value)
+                        functional_inputs.append((node.name, value))
                 value_of[node] = value
             elif node.op == "output":
+                if functionalize:  # (what the syncs make again comes from no operation, as in the retrace)
+                    recorder.source, recorder.meta = None, {}
+                    for name, value in functional_inputs:
+                        torch._sync(value)
+                        if torch._functionalize_has_data_mutation(value.elem) \
+                                or torch._functionalize_has_metadata_mutation(value.elem):
+                            raise _NotFunctional(f"{name}, an input, is written in place")
+
                 def new_output(arg):
                     value = value_of[arg]
+                    if functionalize and isinstance(value, FunctionalTensor):
+                        torch._sync(value)
+                        value = torch._from_functional_tensor(value.elem)
                     found = node_of.get(id(value)) if isinstance(value, torch.Tensor) else None
                     if found is None or found.op == "placeholder":
                         raise _NotFunctional("an output that is not a computed tensor")
@@ -255,7 +364,7 @@ def _lowered(exported):
                 output.meta = dict(node.meta)
                 output.meta["from_node"] = [NodeSource(node, _PASS, NodeSourceAction.CREATE)]
             elif node.op == "call_function":
-                value_of[node] = _lower(node, value_of, recorder)
+                value_of[node] = _lower(node, value_of, recorder, functionalize)
             elif node.op == "get_attr" and node.users and all(
                     user.op == "call_function" and isinstance(user.target, torch._ops.HigherOrderOperator)
                     for user in node.users):
@@ -273,8 +382,10 @@ def _lowered(exported):
     return graph, renamed
 
 
-def _lower(node: torch.fx.Node, value_of: dict, recorder: "_Recorder"):
-    """The value of ``node`` in the new graph, the operations it lowers to recorded there."""
+def _lower(node: torch.fx.Node, value_of: dict, recorder: "_Recorder", functionalize: bool = False):
+    """The value of ``node`` in the new graph, the operations it lowers to recorded there
+    (``functionalize``: by the recorder already entered, below functionalization, which
+    stands for the fresh constants' copies and writes)."""
     target = node.target
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: value_of[n])
     if target is operator.getitem:
@@ -285,7 +396,11 @@ def _lower(node: torch.fx.Node, value_of: dict, recorder: "_Recorder"):
         if getattr(target, "__name__", "") != "wrap_with_set_grad_enabled" or args[0] is not False \
                 or kwargs or not isinstance(args[1], torch.fx.GraphModule):
             raise _NotFunctional(f"higher-order operation {target}")
-        return _inlined(node, args[1], args[2:], recorder)
+        return _inlined(node, args[1], args[2:], recorder, functionalize)
+    if functionalize and isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        recorder.source = node
+        recorder.meta = {key: node.meta[key] for key in _COPIED if key in node.meta}
+        return target(*args, **kwargs)
     if target is torch.ops.aten.detach_.default and isinstance(args[0], torch.Tensor) \
             and not args[0].requires_grad and not kwargs:
         return args[0]  # (a constant made fresh, ``torch.tensor(...)``: nothing for functionalization to write)
@@ -303,7 +418,8 @@ def _lower(node: torch.fx.Node, value_of: dict, recorder: "_Recorder"):
         return call(*args, **kwargs)
 
 
-def _inlined(node: torch.fx.Node, region: torch.fx.GraphModule, args, recorder: "_Recorder"):
+def _inlined(node: torch.fx.Node, region: torch.fx.GraphModule, args, recorder: "_Recorder",
+             functionalize: bool = False):
     """The results of the region ``node`` runs without grad, its operations recorded as the
     retrace inlines them: each from ``node`` (its provenance, module path and function), with
     the stack trace of the region's own operation (the retrace's is its generated code's line)."""
@@ -321,13 +437,13 @@ def _inlined(node: torch.fx.Node, region: torch.fx.GraphModule, args, recorder: 
                 inner[sub] = sub_args[0][sub_args[1]]
                 continue
             if not (isinstance(sub.target, torch._ops.OpOverload) and sub.target.namespace == "aten") \
-                    or sub.target._schema.is_mutable:
+                    or (sub.target._schema.is_mutable and not functionalize):
                 raise _NotFunctional(f"{sub.target} in a region without grad")
             recorder.source = node
             recorder.meta = {key: node.meta[key] for key in _COPIED if key in node.meta}
             if "stack_trace" in sub.meta:
                 recorder.meta["stack_trace"] = sub.meta["stack_trace"]
-            with recorder:
+            with contextlib.nullcontext() if functionalize else recorder:
                 inner[sub] = sub.target(*sub_args, **sub_kwargs)
         else:
             raise _NotFunctional(f"a {sub.op} node in a region without grad")
