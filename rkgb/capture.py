@@ -4,8 +4,8 @@ The graph is torch.export's (non-strict) training graph, functionalized by
 ``run_decompositions({})``: buffer mutations become explicit outputs (BatchNorm's running
 statistics), in-place operations become functional ones, and high-level operations
 (linear, matmul, layer_norm, gelu, softmax, scaled_dot_product_attention, embedding,
-convolution) stay undecomposed. A graph that writes nothing in place is lowered to the same
-graph without that retrace (:mod:`rkgb.decompose`).
+convolution) stay undecomposed. A graph that writes no buffer nor input in place is lowered to
+the same graph without that retrace (:mod:`rkgb.decompose`).
 
 torch.export lowers ``dropout`` to ``native_dropout`` (a value and a bool mask). Eager PyTorch
 runs ``native_dropout`` only on devices with a fused kernel (CUDA); on CPU it draws a float
@@ -79,7 +79,7 @@ class CapturedGraph:
     # a parameter nor a buffer: ``self.scale = torch.ones(d)``), which the user may replace
     constant_paths: dict[str, str] = field(default_factory=dict)
     # why the export's graph was lowered by ``run_decompositions`` (its whole retrace); None
-    # where :mod:`rkgb.decompose` lowered it in place (a graph that writes nothing in place)
+    # where :mod:`rkgb.decompose` lowered it in place (a graph that writes no buffer in place)
     retraced: str | None = None
 
     def placeholder_values(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -1545,7 +1545,7 @@ def capture(model: nn.Module, sample) -> CapturedGraph:
         return _capture(model, sample)
 
 
-# lower functional graphs in place (rkgb.decompose) instead of retracing them with
+# lower the export's graphs in place (rkgb.decompose) instead of retracing them with
 # ``run_decompositions``: the same graphs (tests/test_decompose.py), 5x less time for that step
 # (Llama-12: 5.1 -> 1.0 s on a slow day). False: always retrace (a switch for the tests)
 LOWER_FUNCTIONAL_GRAPHS = True

@@ -118,6 +118,14 @@ class _Recorder(TorchDispatchMode):
             self.made(out, node)
         return out
 
+    def at(self, source: torch.fx.Node | None, stack_trace: str | None = None) -> None:
+        """The nodes recorded next come from ``source`` (its metadata, ``stack_trace`` in place
+        of its own where given); None: from no operation (no provenance, no metadata)."""
+        self.source = source
+        self.meta = {} if source is None else {key: source.meta[key] for key in _COPIED if key in source.meta}
+        if stack_trace is not None:
+            self.meta["stack_trace"] = stack_trace
+
     def _annotate(self, node: torch.fx.Node, value) -> None:
         node.meta.update(self.meta)
         if self.source is not None:  # (None: functionalization's views made again for the outputs)
@@ -197,10 +205,12 @@ def _fake_mode(graph: torch.fx.Graph):
     return None
 
 
-def _check_operations(graph: torch.fx.Graph, writes: list[str]) -> None:
+def _check_operations(graph: torch.fx.Graph) -> bool:
     """What the lowering cannot stand for, found before any work: an operation of another
-    namespace, a higher-order operation but a region without grad, a symbolic value. The
-    in-place writes are added to ``writes`` (their graph is functionalized)."""
+    namespace, a higher-order operation but a region without grad, a symbolic value, a write
+    into an input or a buffer. Returns whether the graph writes in place (its tensors of its own:
+    functionalized)."""
+    writes = False
     for node in graph.nodes:
         if _symbolic(node.meta.get("val")):
             # (``.item()``, a shape read from values: calling it again makes a new symbol, which
@@ -215,16 +225,17 @@ def _check_operations(graph: torch.fx.Graph, writes: list[str]) -> None:
             region = node.graph.owning_module.get_submodule(node.args[1].target) \
                 if isinstance(node.args[1], torch.fx.Node) else None
             if isinstance(region, torch.fx.GraphModule):
-                _check_operations(region.graph, writes)
+                writes |= _check_operations(region.graph)
         elif not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
             raise _NotFunctional(f"{target}")
         elif target._schema.is_mutable and target is not torch.ops.aten.detach_.default:
             written = _written_input(node)
             if written is not None:  # (the retrace makes its new value an output: not done here)
                 raise _NotFunctional(f"{written}, an input, is written in place by {node.name}")
-            writes.append(node.name)
+            writes = True
         elif target in _WRITING_STATISTICS and node.args[5] is True and node.args[3] is not None:
             raise _NotFunctional(f"{node.name} writes its running statistics (buffers) in place")
+    return writes
 
 
 # operations whose kernels write their running statistics in place in training (args: input,
@@ -239,17 +250,23 @@ def _written_input(node: torch.fx.Node) -> str | None:
     for argument, value in zip(node.target._schema.arguments, node.args):
         if argument.alias_info is None or not argument.alias_info.is_write or not isinstance(value, torch.fx.Node):
             continue
-        seen = set()
-        while value is not None and value.name not in seen:
-            seen.add(value.name)
+        while value is not None:  # (up the views' bases: earlier nodes, to a placeholder or not)
             if value.op == "placeholder":
                 return value.name
-            target = value.target
-            aliasing = isinstance(target, torch._ops.OpOverload) and any(
-                a.alias_info is not None and not a.alias_info.is_write for a in target._schema.arguments[:1]) \
-                and target._schema.returns and target._schema.returns[0].alias_info is not None
-            value = value.args[0] if aliasing and value.args and isinstance(value.args[0], torch.fx.Node) else None
+            value = value.args[0] if _is_view_of_first(value) else None
     return None
+
+
+def _is_view_of_first(node: torch.fx.Node) -> bool:
+    """Whether ``node`` returns a view of its first argument, a node, that it does not write
+    (``view``, ``slice``, ``select``, ``t``, ``expand``...)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    schema = target._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    return first is not None and not first.is_write and bool(schema.returns) \
+        and schema.returns[0].alias_info is not None
 
 
 def _symbolic(value) -> bool:
@@ -274,16 +291,14 @@ def _check_signature(exported) -> None:
 
 def decompose_functional_graph(exported, decompositions: dict) -> str | None:
     """Lower ``exported`` (a training graph of torch.export) in place as
-    ``exported.run_decompositions(decompositions)`` would, where it writes nothing in place
+    ``exported.run_decompositions(decompositions)`` would, where it writes no input in place
     (module docstring). Returns None where it did, else why it left the graph as it was (for
     ``run_decompositions``)."""
     if decompositions:
         return "decompositions asked for"
     try:
         _check_signature(exported)
-        writes: list[str] = []
-        _check_operations(exported.graph, writes)
-        graph, renamed = _lowered(exported, functionalize=bool(writes))
+        graph, renamed = _lowered(exported, functionalize=_check_operations(exported.graph))
     except _NotFunctional as reason:
         return str(reason)
     except Exception as error:  # noqa: BLE001 a case this lowering does not know: the retrace's exact one instead
@@ -323,10 +338,10 @@ def _lowered(exported, functionalize: bool = False):
     # (the override patches every such operation: entered once, not per node)
     order = _placeholder_order(exported.graph_signature)
     placeholders = sorted((node for node in old.nodes if node.op == "placeholder"), key=lambda n: order[n.name])
+    functional = FunctionalTensorMode(pre_dispatch=False, export=True, _allow_token_discovery=True) \
+        if functionalize else contextlib.nullcontext()
     with fake_mode, torch.no_grad(), _ignore_backend_decomps(), enable_python_dispatcher(), \
-            _override_composite_implicit_decomp(cia_to_decomp), \
-            FunctionalTensorMode(pre_dispatch=False, export=True, _allow_token_discovery=True) \
-            if functionalize else contextlib.nullcontext(), recorder if functionalize else contextlib.nullcontext():
+            _override_composite_implicit_decomp(cia_to_decomp), functional, recorder:
         for node in placeholders + [node for node in old.nodes if node.op != "placeholder"]:
             if node.op == "placeholder":
                 new = graph.placeholder(node.name, type_expr=node.type)
@@ -341,7 +356,7 @@ def _lowered(exported, functionalize: bool = False):
                 value_of[node] = value
             elif node.op == "output":
                 if functionalize:  # (what the syncs make again comes from no operation, as in the retrace)
-                    recorder.source, recorder.meta = None, {}
+                    recorder.at(None)
                     for name, value in functional_inputs:
                         torch._sync(value)
                         if torch._functionalize_has_data_mutation(value.elem) \
@@ -382,10 +397,10 @@ def _lowered(exported, functionalize: bool = False):
     return graph, renamed
 
 
-def _lower(node: torch.fx.Node, value_of: dict, recorder: "_Recorder", functionalize: bool = False):
-    """The value of ``node`` in the new graph, the operations it lowers to recorded there
-    (``functionalize``: by the recorder already entered, below functionalization, which
-    stands for the fresh constants' copies and writes)."""
+def _lower(node: torch.fx.Node, value_of: dict, recorder: "_Recorder", functionalize: bool):
+    """The value of ``node`` in the new graph, the operations it lowers to recorded there by the
+    recorder entered (``functionalize``: below functionalization, which stands for the fresh
+    constants' copies and the writes)."""
     target = node.target
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: value_of[n])
     if target is operator.getitem:
@@ -397,9 +412,8 @@ def _lower(node: torch.fx.Node, value_of: dict, recorder: "_Recorder", functiona
                 or kwargs or not isinstance(args[1], torch.fx.GraphModule):
             raise _NotFunctional(f"higher-order operation {target}")
         return _inlined(node, args[1], args[2:], recorder, functionalize)
+    recorder.at(node)
     if functionalize and isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
-        recorder.source = node
-        recorder.meta = {key: node.meta[key] for key in _COPIED if key in node.meta}
         return target(*args, **kwargs)
     if target is torch.ops.aten.detach_.default and isinstance(args[0], torch.Tensor) \
             and not args[0].requires_grad and not kwargs:
@@ -412,14 +426,11 @@ def _lower(node: torch.fx.Node, value_of: dict, recorder: "_Recorder", functiona
         call = target
     else:
         raise _NotFunctional(f"{target}")
-    recorder.source = node
-    recorder.meta = {key: node.meta[key] for key in _COPIED if key in node.meta}
-    with recorder:
-        return call(*args, **kwargs)
+    return call(*args, **kwargs)
 
 
 def _inlined(node: torch.fx.Node, region: torch.fx.GraphModule, args, recorder: "_Recorder",
-             functionalize: bool = False):
+             functionalize: bool):
     """The results of the region ``node`` runs without grad, its operations recorded as the
     retrace inlines them: each from ``node`` (its provenance, module path and function), with
     the stack trace of the region's own operation (the retrace's is its generated code's line)."""
@@ -439,12 +450,8 @@ def _inlined(node: torch.fx.Node, region: torch.fx.GraphModule, args, recorder: 
             if not (isinstance(sub.target, torch._ops.OpOverload) and sub.target.namespace == "aten") \
                     or (sub.target._schema.is_mutable and not functionalize):
                 raise _NotFunctional(f"{sub.target} in a region without grad")
-            recorder.source = node
-            recorder.meta = {key: node.meta[key] for key in _COPIED if key in node.meta}
-            if "stack_trace" in sub.meta:
-                recorder.meta["stack_trace"] = sub.meta["stack_trace"]
-            with contextlib.nullcontext() if functionalize else recorder:
-                inner[sub] = sub.target(*sub_args, **sub_kwargs)
+            recorder.at(node, sub.meta.get("stack_trace"))
+            inner[sub] = sub.target(*sub_args, **sub_kwargs)
         else:
             raise _NotFunctional(f"a {sub.op} node in a region without grad")
     return result
