@@ -167,12 +167,25 @@ def test_a_missing_ilp_backend_is_an_import_error_naming_the_package(monkeypatch
 
 
 def test_plan_timings_say_where_planning_time_went():
-    model, sample = ZOO["mlp"].build()
-    rk = Rockmate(model, sample, "1GB", cost_model="flops", **GRID)
+    model, sample = ZOO["gpt"].build()
+    rk = Rockmate(model, sample, "60%", cost_model="flops", **GRID)
     timings = rk.plan.timings
     for phase in ("capture", "inspect", "dp"):
         assert phase in timings and timings[phase] >= 0
     assert any(key.startswith("options of class") for key in timings)
+
+
+def test_a_budget_that_the_plan_without_recomputation_fits_solves_no_grid():
+    """Every operation runs at least once: where recomputing nothing fits the budget, that plan
+    is the fastest there is, and it is planned without the classes' option grids."""
+    model, sample = ZOO["gpt"].build()
+    for budget in ("100%", "1GB"):
+        rk = Rockmate(model, sample, budget, cost_model="flops", **GRID)
+        assert not any(key.startswith("options of class") for key in rk.plan.timings)
+        assert "the plan without recomputation fits the budget" in rk.plan.notes
+        assert rk.plan.predicted_peak <= rk.plan.budget
+        assert rk.plan.predicted_time == pytest.approx(rk.plan.baseline_time, rel=1e-12)
+        assert list(rk.plan.schedule.ops) == list(registry.no_recompute_schedule(rk.graphs.model_chain).ops)
 
 
 @pytest.mark.parametrize("backend", ["cbc", "highs"])
