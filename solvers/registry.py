@@ -777,10 +777,10 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
         # every operation runs at least once: where the plan that recomputes nothing fits, no
         # plan is faster, and no option grid need be solved (a 61-compute recurrence at 100%:
         # 15 s of options before)
-        whole = _no_recompute_plan(chain, budget, solver.name)
-        if _exact_peak(chain, whole.schedule) <= budget:
-            whole.notes.append("the plan without recomputation fits the budget")
-            plan = whole
+        schedule = no_recompute_schedule(chain)
+        if _exact_peak(chain, schedule) <= budget:
+            plan = _plan(chain, budget, solver.name, schedule,
+                         notes=["the plan without recomputation fits the budget"])
     if plan is None and chain.blocks and budget >= held:
         plan = solver.solve(chain, budget - held, reach=budget) if isinstance(solver, ChainPlanner) \
             else solver.solve(chain, budget - held)
