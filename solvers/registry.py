@@ -772,16 +772,13 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
             cached.timings["plan cache"] = cached.solve_time_s = time.perf_counter() - began
             return cached
     held = _held_bytes(chain)
+    whole = no_recompute_schedule(chain)
+    whole_fits = _exact_peak(chain, whole) <= budget
     plan = None
-    if chain.blocks and isinstance(solver, ChainPlanner):
-        # every operation runs at least once: where the plan that recomputes nothing fits, no
-        # plan is faster, and no option grid need be solved (a 61-compute recurrence at 100%:
-        # 15 s of options before)
-        schedule = no_recompute_schedule(chain)
-        if _exact_peak(chain, schedule) <= budget:
-            plan = _plan(chain, budget, solver.name, schedule,
-                         notes=["the plan without recomputation fits the budget"])
-    if plan is None and chain.blocks and budget >= held:
+    # every operation runs at least once: where the plan that recomputes nothing fits, no plan is
+    # faster, and the solvers that plan for time need no option grid (a 61-compute recurrence at
+    # 100%: 15 s of options before); it is taken below
+    if chain.blocks and budget >= held and not (whole_fits and isinstance(solver, ChainPlanner)):
         plan = solver.solve(chain, budget - held, reach=budget) if isinstance(solver, ChainPlanner) \
             else solver.solve(chain, budget - held)
         if plan is not None and plan.feasible and isinstance(solver, ChainPlanner):
@@ -791,10 +788,8 @@ def solve(chain: ModelChain, budget: int, solver: str | object = "rockmate", **o
         # below what the solver can plan with the first-run memory left aside as a whole, the
         # plan without recomputation, or the solver's plan at its minimum, may still fit, each
         # counted exactly
-        fallback = _no_recompute_plan(chain, budget, solver.name)
-        if _exact_peak(chain, fallback.schedule) <= budget:
-            fallback.notes.append("the plan without recomputation fits the budget")
-            plan = fallback
+        if whole_fits:
+            plan = _plan(chain, budget, solver.name, whole, notes=["the plan without recomputation fits the budget"])
         else:
             solver_minimum = None if not chain.blocks else \
                 plan.min_budget if plan is not None and plan.min_budget is not None else solver.min_budget(chain)
