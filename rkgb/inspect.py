@@ -932,7 +932,7 @@ def _fake_backward(graph: SimplifiedGraph, model: nn.Module, sample, from_reader
     A model on the CPU runs on meta tensors (unless ``on_meta=False``): the ops' meta functions
     (those that fake tensors run) in C++ dispatch, 2.5x faster than fake tensors' Python dispatch
     (the 24-layer Llama of ``benchmarks/bench_planning.py``: 0.4 s instead of 1.0-1.3 s), the
-    attention run as the CPU would (:meth:`_FactoriesOnMeta.attention`). On the 1563 graphs of the
+    attention run as the CPU would (:meth:`_FactoriesOnMeta.attention`). On the 1565 graphs of the
     test suite, the same layouts as fake tensors' but on two, where only the stride of a dimension
     of size 1 differs and meta's is eager's (a ``view``: ``(10, 1, 10)``, fake tensors'
     ``(320, 1, 10)``). Elsewhere, or where the meta run fails (an op without a meta function, a
