@@ -836,13 +836,14 @@ def gradient_layouts(graph: SimplifiedGraph, model: nn.Module, sample, receivers
     linear's backward copies a gradient that is not in its output's layout). Inside a block
     the inspection produces real gradients; a block's output gradients come from the next
     block: their layouts are found here, by one forward and backward of the whole graph on
-    fake tensors (no memory, no computation: the ops' meta functions give the strides). The
+    tensors without data, meta or fake ones (:func:`_fake_backward`: no memory, no computation,
+    the ops' meta functions give the strides). The
     model's outputs receive contiguous gradients, as a loss's usually are. The tensors it lists are those that a
     backward from the outputs reaches. ``receivers`` (filled when given) gets those of them
     that receive a gradient from outside their node, as the executor's leaves do (a model
     output, or a tensor another node reads and passes a gradient back to), not only through a
     view made in the node (``SimplifiedGraph.gradient_receivers``): each read by another node
-    goes through an ``alias`` that tells. None if the fake run fails (an op without a meta
+    goes through an ``alias`` that tells. None if the run fails (an op without a meta
     function). The backward runs from the outputs that the user's loss gives a gradient
     (``graph.gradient_outputs``); ``unreached`` (filled when given) gets the other outputs that
     it does not reach: a gradient the user gives them has no backward but theirs, which a plan
