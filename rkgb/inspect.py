@@ -977,45 +977,45 @@ def _fake_backward(graph: SimplifiedGraph, model: nn.Module, sample, from_reader
     return _abstract_backward(graph, fake, mode, from_readers, unreached)
 
 
-def _abstract_backward(graph: SimplifiedGraph, fake: dict[str, object], mode, from_readers: set[str] | None,
+def _abstract_backward(graph: SimplifiedGraph, values: dict[str, object], mode, from_readers: set[str] | None,
                        unreached: set[str] | None, targets: dict | None = None) -> dict[str, torch.Tensor]:
-    """:func:`_fake_backward` on the environment ``fake`` (tensors without data) inside ``mode``
+    """:func:`_fake_backward` on the environment ``values`` (tensors without data) inside ``mode``
     (``targets``: the functions some lines run instead of their own, :func:`rkgb.interpret.run_lines`)."""
     grads: dict[str, torch.Tensor] = {}
     with mode, torch.enable_grad():
-        run_lines(graph.buffer_updates_prologue, fake)
+        run_lines(graph.buffer_updates_prologue, values)
         for node in graph.nodes:
             originals = {}
             if from_readers is not None:
                 for line in node.lines:
                     for arg in line.all_input_nodes:
-                        value = fake.get(arg.name)
+                        value = values.get(arg.name)
                         if arg.name in originals or graph.owner.get(arg.name) in (None, node.name) \
                                 or not isinstance(value, torch.Tensor) or not value.requires_grad:
                             continue
                         originals[arg.name] = value
-                        fake[arg.name] = torch.ops.aten.alias.default(value)
-                        fake[arg.name].register_hook(lambda g, name=arg.name: from_readers.add(name))
-            run_lines(node.lines, fake, targets)
-            fake.update(originals)
+                        values[arg.name] = torch.ops.aten.alias.default(value)
+                        values[arg.name].register_hook(lambda g, name=arg.name: from_readers.add(name))
+            run_lines(node.lines, values, targets)
+            values.update(originals)
             for name in graph.exported(node):
-                value = fake[name]
+                value = values[name]
                 if isinstance(value, torch.Tensor) and value.requires_grad:
                     value.register_hook(lambda g, name=name: grads.setdefault(name, g))
-        outputs = [n for n in graph.outputs if isinstance(fake.get(n), torch.Tensor) and fake[n].requires_grad]
+        outputs = [n for n in graph.outputs if isinstance(values.get(n), torch.Tensor) and values[n].requires_grad]
         if from_readers is not None:
             # (every output may receive one: the executor's leaves let a loss that reads them pass it on)
             from_readers.update(outputs)
         exported = {name for node in graph.nodes for name in graph.exported(node)}
         for n in dict.fromkeys(outputs):
             if n not in exported:  # a model input (or a view of one) returned: reached too?
-                fake[n].register_hook(lambda g, name=n: grads.setdefault(name, g))
+                values[n].register_hook(lambda g, name=n: grads.setdefault(name, g))
         others = [n for n in outputs if n in graph.outputs_without_gradient]
-        _backward_with_ones(fake, [n for n in outputs if n not in others], retain_graph=bool(others))
+        _backward_with_ones(values, [n for n in outputs if n not in others], retain_graph=bool(others))
         missed = list(dict.fromkeys(n for n in others if n not in grads))
         if unreached is not None:
             unreached.update(missed)
-        _backward_with_ones(fake, missed)
+        _backward_with_ones(values, missed)
     return grads
 
 

@@ -73,8 +73,8 @@ def test_transformers_attention_gets_the_layouts_of_fake_tensors_from_meta_tenso
 
 def test_a_failed_run_on_meta_tensors_leaves_the_layouts_to_fake_tensors(monkeypatch):
     """Where the meta run fails halfway (an op without a meta function; here, the backward of the
-    first matrix product made to fail), the fake run finds the layouts, and what the meta run had
-    found of the receivers is not kept."""
+    first matrix product made to fail), the fake run finds the layouts: the same layouts and
+    receivers as a run on fake tensors alone."""
     import rkgb.inspect
 
     model, sample = ZOO["gpt"].build("tiny")
