@@ -13,7 +13,15 @@ recomputation. The published implementation solves every pair from scratch; here
 2. a pair is decided once every looser pair is done, from what those found alone (the solutions
    of incomparable pairs are left out, so that the answer does not depend on which of them
    happen to be done): its solve starts at once, beside the solves of other pairs
-   (``workers`` solver processes at a time);
+   (``workers`` solver processes at a time). In a row of solved pairs (one peak budget, the
+   save budgets going down) each solve would wait for the one before: in the grids of big
+   models (``OVERLAP_ROW_SOLVES_FROM`` recomputation binaries), once two pairs in a row were
+   solved, the next pair is decided without the results of the one just before it, which is
+   left out as an incomparable pair is, and the row's solves run two at a time. The Llama-12
+   attention class (159 binaries): its hard row's seven solves of 0.3-0.6 s each had waited on
+   one another; the grid 3.4-3.6 -> 2.8 s, the same option at every grid pair. Not on the GPT
+   classes (65 binaries, solves of 0.02-0.3 s): there the pairs decided so lose the answer of
+   the pair before (the bench GPT's class: one solve more, the grid 2.0 -> 2.4 s);
 3. the optimal time of a looser pair is a lower bound for a tighter one, and every solution
    found so far whose measured (peak, saved) fits the pair is feasible for it: when the best of
    those is within the ILP's relative gap of the bound, the pair is answered without solving
@@ -93,6 +101,11 @@ REPAIR_FROM_KNOWN = True
 # a neighbourhood solve is skipped where a looser pair's, from the same start, found nothing better
 # (its neighbourhood there holds this pair's; a switch for the tests)
 SKIP_SEARCHED_NEIGHBOURHOODS = True
+# in the grid of a model with at least this many recomputation binaries, a pair whose nearest
+# looser pair in its peak row (the same peak budget, the next save budget up) is solved after
+# the pair before it in the row was solved too does not wait for that solve: it is decided
+# without that pair's results (module docstring, 2). None: every pair waits for all its looser pairs
+OVERLAP_ROW_SOLVES_FROM = 100
 
 
 @dataclass
@@ -116,6 +129,7 @@ class GridReport:
     stall_skipped: int = 0
     neighbourhood_solves: int = 0
     neighbourhood_skipped: int = 0
+    overlapped: int = 0  # pairs decided beside the solve of the pair before them in their row
     repaired: int = 0
     repair_s: float = 0.0
     build_s: float = 0.0
@@ -345,12 +359,13 @@ def solve_class_options(
                 known.append((*found, (-1, len(known))))
         grid_options: list[tuple[tuple[int, int], BlockOption]] = []  # the grid's, by origin
         # (peak budget, save budget, near-optimal option, its computes) of pairs answered with a proof
-        answered: list[tuple[int, int, BlockOption, list[str]]] = [
-            (top.peak_bytes, top.saved_bytes, top, known[0][0])]
-        infeasible: list[tuple[int, int]] = []
-        # (peak budget, save budget, start) of the neighbourhood solves that found nothing better
-        # than their start: a tighter pair's neighbourhood of the same start has nothing better
-        exhausted: list[tuple[int, int, tuple[str, ...]]] = []
+        # (and the rank of the pair, -1 for the autograd schedule)
+        answered: list[tuple[int, int, BlockOption, list[str], int]] = [
+            (top.peak_bytes, top.saved_bytes, top, known[0][0], -1)]
+        infeasible: list[tuple[int, int, int]] = []  # (peak budget, save budget, rank)
+        # (peak budget, save budget, start, rank) of the neighbourhood solves that found nothing
+        # better than their start: a tighter pair's neighbourhood of the same start has nothing better
+        exhausted: list[tuple[int, int, tuple[str, ...], int]] = []
         stalls = 0  # solves that hit their time limit and returned their start unchanged
 
         # a save budget above the peak budget is the peak budget; equal pairs are solved once
@@ -365,6 +380,18 @@ def solve_class_options(
             for r in looser[q]:
                 tighter[r].append(q)
         waiting_for = {q: len(looser[q]) for q in order}
+        # a pair's nearest looser pair in its row, and the rank of the one a pair is decided without
+        # (OVERLAP_ROW_SOLVES_FROM)
+        row_after: dict[tuple[int, int], tuple[int, int]] = {}
+        for q in order:
+            row = [r for r in looser[q] if r[0] == q[0]]
+            if row:
+                row_after[min(row, key=lambda r: r[1])] = q
+        row_before = {after: q for q, after in row_after.items()}
+        unseen: dict[tuple[int, int], int] = {}
+        started: set[tuple[int, int]] = set()  # the pairs whose solve started
+        found_before_solve: dict[int, int] = {}  # pair rank -> solutions it found before its solve
+        overlap = OVERLAP_ROW_SOLVES_FROM is not None and built[0].n_binaries >= OVERLAP_ROW_SOLVES_FROM
         found_by: dict[int, int] = {}  # pair rank -> solutions it found so far
 
         def remember(computes: list[str], option: BlockOption, q: tuple[int, int]) -> None:
@@ -373,8 +400,15 @@ def solve_class_options(
             known.append((computes, option, (rank[q], count)))
             grid_options.append(((rank[q], count), option))
 
-        def from_looser(origin: tuple[int, int], peak: int, save: int) -> bool:
-            return origin[0] < 0 or (order[origin[0]][0] >= peak and order[origin[0]][1] >= save)
+        def from_looser(origin: tuple[int, int], q: tuple[int, int]) -> bool:
+            """Whether pair ``q`` reads the solution of ``origin``: found by a looser pair, and
+            not by the solve of the pair ``q`` is decided without (its repairs, made before its
+            solve, are read)."""
+            return origin[0] < 0 or (order[origin[0]][0] >= q[0] and order[origin[0]][1] >= q[1]
+                                     and (origin[0] != unseen.get(q) or origin[1] < found_before_solve[origin[0]]))
+
+        def seen(rank_of: int, q: tuple[int, int]) -> bool:
+            return rank_of != unseen.get(q)
 
         def excess(option: BlockOption, peak: int, save: int) -> float:
             """How far ``option`` is from fitting (peak, save), relative to the grid's ranges."""
@@ -384,7 +418,8 @@ def solve_class_options(
             """The best of ``best`` and of the repairs of the nearest looser answers (each better
             repair is kept as a known solution and an option)."""
             looser_answers = sorted(
-                (a for a in answered if peak <= a[0] and save <= a[1] and excess(a[2], peak, save) > 0),
+                (a for a in answered if peak <= a[0] and save <= a[1] and excess(a[2], peak, save) > 0
+                 and seen(a[4], (peak, save))),
                 key=lambda a: ((a[0] - peak) / peak_range + (a[1] - save) / save_range, -a[0], -a[1]))
             began = time.thread_time()
 
@@ -399,7 +434,7 @@ def solve_class_options(
                 report.repaired += 1
                 return True
 
-            for tried, (_, _, _, computes) in enumerate(looser_answers):
+            for tried, (_, _, _, computes, _) in enumerate(looser_answers):
                 if tried >= REPAIR_SEEDS and (best is not None or tried >= REPAIR_SEEDS_WITHOUT_START):
                     break
                 if better(computes) and bound is not None and best[1].time_s <= bound * (1 + accept):
@@ -407,7 +442,7 @@ def solve_class_options(
             if best is None and REPAIR_FROM_KNOWN:
                 # no proven looser pair gives a start: repair the known solutions of looser
                 # pairs (those of solves stopped by their limit too), the nearest to fitting first
-                nearest = sorted((entry for entry in known if from_looser(entry[2], peak, save)),
+                nearest = sorted((entry for entry in known if from_looser(entry[2], (peak, save))),
                                  key=lambda entry: (excess(entry[1], peak, save), entry[2]))
                 for computes, _, _ in nearest[:REPAIR_SEEDS_WITHOUT_START]:
                     better(computes)
@@ -418,14 +453,15 @@ def solve_class_options(
             """Answer pair ``q`` from the looser pairs' results (None), or start its solve:
             (the start given, the solve's future)."""
             peak, save = q
-            if any(peak <= p and save <= s for p, s in infeasible):
+            if any(peak <= p and save <= s and seen(r, q) for p, s, r in infeasible):
                 report.pruned_infeasible += 1
                 return None
             fitting = [entry for entry in known if entry[1].peak_bytes <= peak and entry[1].saved_bytes <= save
-                       and from_looser(entry[2], peak, save)]
+                       and from_looser(entry[2], q)]
             best = min(fitting, key=lambda entry: (entry[1].time_s, entry[2]), default=None)
             best = None if best is None else best[:2]
-            bound = max((o.time_s for p, s, o, _ in answered if peak <= p and save <= s), default=None)
+            bound = max((o.time_s for p, s, o, _, r in answered if peak <= p and save <= s and seen(r, q)),
+                        default=None)
             if best is not None and bound is not None and best[1].time_s <= bound * (1 + accept):
                 report.reused += 1
                 return None
@@ -433,7 +469,7 @@ def solve_class_options(
                 best = repaired_start(peak, save, best, bound)
                 if best is not None and bound is not None and best[1].time_s <= bound * (1 + accept):
                     report.reused += 1
-                    answered.append((peak, save, best[1], best[0]))
+                    answered.append((peak, save, best[1], best[0], rank[q]))
                     return None
             if grid_time_limit_s is not None and time.perf_counter() - start > grid_time_limit_s:
                 report.grid_limit_skipped += 1  # the best fitting option (if any) is already kept
@@ -445,7 +481,7 @@ def solve_class_options(
                     return None
                 start_key = tuple(best[0])
                 if SKIP_SEARCHED_NEIGHBOURHOODS and any(peak <= p and save <= s and start_key == start_of
-                                                        for p, s, start_of in exhausted):
+                                                        and seen(r, q) for p, s, start_of, r in exhausted):
                     report.neighbourhood_skipped += 1  # its neighbourhood was searched at a looser pair
                     return None
                 report.neighbourhood_solves += 1
@@ -460,12 +496,12 @@ def solve_class_options(
             searched = not solution.time_limit_hit and solution.neighbourhood
             if searched and (option is None or best[1].time_s <= option.time_s):
                 # nothing better than the start in its neighbourhood: nor at tighter pairs
-                exhausted.append((peak, save, tuple(best[0])))
+                exhausted.append((peak, save, tuple(best[0]), rank[q]))
             if option is None:
                 if solution.time_limit_hit:
                     report.time_limit_hits += 1
                 elif not solution.neighbourhood:  # (an empty neighbourhood proves nothing else)
-                    infeasible.append((peak, save))
+                    infeasible.append((peak, save, rank[q]))
                 return
             report.time_limit_hits += int(option.time_limit_hit)
             computes = solution.computes
@@ -476,7 +512,7 @@ def solve_class_options(
             else:
                 remember(computes, option, q)
             if not solution.time_limit_hit and not solution.neighbourhood:  # a proof: a bound for tighter pairs
-                answered.append((peak, save, option, computes))
+                answered.append((peak, save, option, computes, rank[q]))
 
         # each pair is decided once every looser pair is done (answered, solved or pruned), from
         # their results alone: the options do not depend on ``workers`` or on the solves' timing
@@ -485,11 +521,15 @@ def solve_class_options(
         ready = [q for q in order if waiting_for[q] == 0]
         running: dict = {}  # future -> (pair, its start)
 
+        def release(t: tuple[int, int]) -> None:
+            waiting_for[t] -= 1
+            if waiting_for[t] == 0:
+                ready.append(t)
+
         def done(q: tuple[int, int]) -> None:
             for t in tighter[q]:
-                waiting_for[t] -= 1
-                if waiting_for[t] == 0:
-                    ready.append(t)
+                if unseen.get(t) != rank[q]:  # (else released when its solve started)
+                    release(t)
 
         while ready or running:
             while ready:
@@ -500,6 +540,13 @@ def solve_class_options(
                     done(q)
                 else:
                     running[task[1]] = (q, task[0])
+                    started.add(q)
+                    found_before_solve[rank[q]] = found_by.get(rank[q], 0)
+                    after = row_after.get(q)
+                    if overlap and after is not None and row_before.get(q) in started:
+                        unseen[after] = rank[q]
+                        report.overlapped += 1
+                        release(after)
             if running:
                 finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
                 for future in sorted(finished, key=lambda f: rank[running[f][0]]):

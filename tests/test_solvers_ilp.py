@@ -618,6 +618,32 @@ def test_grid_options_do_not_depend_on_workers_or_repair_quality(name):
             assert a is None or a == pytest.approx(b, rel=1e-9)
 
 
+@pytest.mark.parametrize("name,seed,nodes", [("multi_output", None, None), ("random", 3, 5), ("random", 0, 6)])
+def test_overlapped_row_solves_keep_every_grid_pairs_optimum(monkeypatch, name, seed, nodes):
+    """Pairs decided beside the solve of the pair before them in their row
+    (``OVERLAP_ROW_SOLVES_FROM``, here on every model) give options that do not depend on
+    ``workers``, and the same best option at every grid pair as a grid where each pair waits for
+    all its looser pairs (exact solves)."""
+    from solvers import block_options
+    from solvers.block_options import GridReport, _linspace
+
+    graph = GRAPHS[name]() if seed is None else random_graph(random.Random(seed), nodes)
+    waiting = solve_class_options(graph, peak_steps=5, save_steps=5).options
+    monkeypatch.setattr(block_options, "OVERLAP_ROW_SOLVES_FROM", 0)
+    report = GridReport()
+    one = solve_class_options(graph, peak_steps=5, save_steps=5, workers=1, report=report).options
+    two = solve_class_options(graph, peak_steps=5, save_steps=5, workers=2).options
+    assert report.overlapped >= 3
+    assert [o.key() for o in one] == [o.key() for o in two]
+    top = max(one, key=lambda o: (o.peak_bytes, o.saved_bytes))
+    for peak in _linspace(min(o.peak_bytes for o in one), top.peak_bytes, 5):
+        for save in _linspace(min(o.saved_bytes for o in one), top.saved_bytes, 5):
+            a = min((o.time_s for o in one if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
+            b = min((o.time_s for o in waiting if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
+            assert (a is None) == (b is None)
+            assert a is None or a == pytest.approx(b, rel=1e-9)
+
+
 def test_ortools_backends_reach_cbcs_optimum():
     """CP-SAT and SCIP through OR-Tools (where installed) give CBC's optimum on toy graphs: run
     in a process of their own that loads OR-Tools before pulp (which loads highspy, whose
