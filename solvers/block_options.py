@@ -380,8 +380,9 @@ def solve_class_options(
             for r in looser[q]:
                 tighter[r].append(q)
         waiting_for = {q: len(looser[q]) for q in order}
-        # a pair's nearest looser pair in its row, and the rank of the one a pair is decided without
-        # (OVERLAP_ROW_SOLVES_FROM)
+        # the pair after each pair in its row (the same peak budget, the next save budget down) and
+        # the one before; ``unseen``: pair -> the rank of the pair before it in its row, where it
+        # is decided beside that pair's solve, without its results (OVERLAP_ROW_SOLVES_FROM)
         row_after: dict[tuple[int, int], tuple[int, int]] = {}
         for q in order:
             row = [r for r in looser[q] if r[0] == q[0]]
@@ -408,6 +409,8 @@ def solve_class_options(
                                      and (origin[0] != unseen.get(q) or origin[1] < found_before_solve[origin[0]]))
 
         def seen(rank_of: int, q: tuple[int, int]) -> bool:
+            """Whether pair ``q`` reads the answer, infeasibility or searched neighbourhood of the
+            pair of rank ``rank_of`` (all found by its solve)."""
             return rank_of != unseen.get(q)
 
         def excess(option: BlockOption, peak: int, save: int) -> float:
