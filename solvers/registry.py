@@ -862,9 +862,9 @@ def _raised(chain: ModelChain, solver: ChainPlanner, budget: int, held: int, pla
     step = budget - exact
     costs, per_block = solver.chain_costs(chain)
     time_limit_hit = any(o.time_limit_hit for options in per_block for o in options)
-    # a strategy's actions -> its plan and exact peak: a raised target may lead to a strategy met
-    # before (one of the 8 of the 24-layer Llama's), made and simulated once
-    tried: dict[tuple, tuple[Plan, int]] = {}
+    # a strategy's actions -> its plan, its peak counted exactly: a raised target may lead to a
+    # strategy met before (one of the 8 of the 24-layer Llama's), made and simulated once
+    tried: dict[tuple, Plan] = {}
     for _ in range(RAISED_TARGETS):
         if step <= 0:
             break
@@ -880,19 +880,18 @@ def _raised(chain: ModelChain, solver: ChainPlanner, budget: int, held: int, pla
             # one simulation, the exact one: its time is the plan's (first-run memory changes the
             # peak only), its peak the judge (a DP/simulator mismatch shows as a peak over the budget)
             result = simulate(chain.whole_graph(), schedule, first_run_bytes=chain.first_run_bytes)
-            tried[key] = (Plan(feasible=True, budget=budget, solver=solver.name, schedule=schedule,
-                               predicted_peak=chain.held_bytes + result.peak_bytes, predicted_time=result.time_s,
-                               baseline_time=plan.baseline_time, time_limit_hit=time_limit_hit,
-                               notes=[f"DP slot: {strategy.slot_bytes} B"]),
-                          chain.held_bytes + result.peak_bytes)
-        candidate, candidate_exact = tried[key]
-        if candidate_exact > budget:
+            tried[key] = Plan(feasible=True, budget=budget, solver=solver.name, schedule=schedule,
+                              predicted_peak=chain.held_bytes + result.peak_bytes, predicted_time=result.time_s,
+                              baseline_time=plan.baseline_time, time_limit_hit=time_limit_hit,
+                              notes=[f"DP slot: {strategy.slot_bytes} B"])
+        candidate = tried[key]
+        if candidate.predicted_peak > budget:
             step //= 2  # too far: half as far
             continue
         target += step
         if candidate.predicted_time >= best.predicted_time:
             break  # fits, no faster: the slack left is the last plan's or less
-        best, exact, step = candidate, candidate_exact, budget - candidate_exact
+        best, exact, step = candidate, candidate.predicted_peak, budget - candidate.predicted_peak
     if best is not plan:  # (the first plan's timings, the options' above all, and notes on its classes)
         best.timings = dict(plan.timings)
         best.notes += [note for note in plan.notes if note.startswith(ROTOR_OPTIONS)]

@@ -598,24 +598,29 @@ def test_the_repairs_lowest_schedules_reach_the_least_peak_and_saved_memory():
     assert least_peaks >= 11 and least_saves == 12
 
 
+def _assert_same_best_at_grid_pairs(options, other, steps):
+    """The fastest option that fits each pair of a ``steps`` x ``steps`` grid (spread as the
+    option grid's, over ``options``' range) is as fast in ``options`` as in ``other``."""
+    from solvers.block_options import _linspace
+
+    top = max(options, key=lambda o: (o.peak_bytes, o.saved_bytes))
+    for peak in _linspace(min(o.peak_bytes for o in options), top.peak_bytes, steps):
+        for save in _linspace(min(o.saved_bytes for o in options), top.saved_bytes, steps):
+            a, b = _best_time(options, peak, save), _best_time(other, peak, save)
+            assert (a is None) == (b is None)
+            assert a is None or a == pytest.approx(b, rel=1e-9)
+
+
 @pytest.mark.parametrize("name", ["multi_output", "random1"])
 def test_grid_options_do_not_depend_on_workers_or_repair_quality(name):
     """Solving a level's pairs in parallel gives the same options as one at a time, and the
     repaired starts answer every grid pair as well as plain MIP starts."""
-    from solvers.block_options import _linspace
-
     graph = GRAPHS[name]()
     one = solve_class_options(graph, peak_steps=5, save_steps=5, workers=1).options
     two = solve_class_options(graph, peak_steps=5, save_steps=5, workers=2).options
     assert [o.key() for o in one] == [o.key() for o in two]
     plain = solve_class_options(graph, peak_steps=5, save_steps=5, repair=False).options
-    top = max(one, key=lambda o: (o.peak_bytes, o.saved_bytes))
-    for peak in _linspace(min(o.peak_bytes for o in one), top.peak_bytes, 5):
-        for save in _linspace(min(o.saved_bytes for o in one), top.saved_bytes, 5):
-            a = min((o.time_s for o in one if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
-            b = min((o.time_s for o in plain if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
-            assert (a is None) == (b is None)
-            assert a is None or a == pytest.approx(b, rel=1e-9)
+    _assert_same_best_at_grid_pairs(one, plain, 5)
 
 
 @pytest.mark.parametrize("name,seed,nodes", [("multi_output", None, None), ("random", 3, 5), ("random", 0, 6)])
@@ -625,7 +630,7 @@ def test_overlapped_row_solves_keep_every_grid_pairs_optimum(monkeypatch, name, 
     ``workers``, and the same best option at every grid pair as a grid where each pair waits for
     all its looser pairs (exact solves)."""
     from solvers import block_options
-    from solvers.block_options import GridReport, _linspace
+    from solvers.block_options import GridReport
 
     graph = GRAPHS[name]() if seed is None else random_graph(random.Random(seed), nodes)
     waiting = solve_class_options(graph, peak_steps=5, save_steps=5).options
@@ -635,13 +640,7 @@ def test_overlapped_row_solves_keep_every_grid_pairs_optimum(monkeypatch, name, 
     two = solve_class_options(graph, peak_steps=5, save_steps=5, workers=2).options
     assert report.overlapped >= 3
     assert [o.key() for o in one] == [o.key() for o in two]
-    top = max(one, key=lambda o: (o.peak_bytes, o.saved_bytes))
-    for peak in _linspace(min(o.peak_bytes for o in one), top.peak_bytes, 5):
-        for save in _linspace(min(o.saved_bytes for o in one), top.saved_bytes, 5):
-            a = min((o.time_s for o in one if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
-            b = min((o.time_s for o in waiting if o.peak_bytes <= peak and o.saved_bytes <= save), default=None)
-            assert (a is None) == (b is None)
-            assert a is None or a == pytest.approx(b, rel=1e-9)
+    _assert_same_best_at_grid_pairs(one, waiting, 5)
 
 
 def test_ortools_backends_reach_cbcs_optimum():
