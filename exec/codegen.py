@@ -38,6 +38,7 @@ from rkgb.interpret import EAGER_KERNELS, GRAD_MODE_NUMERICS, REQUIRES_GRAD_DISP
 from rkgb.simplify import (NO_GRADIENT, SPLIT_TARGETS, SimplifiedGraph, SimplifiedNode, gradient_needs, parameter_gradient_sources,
                            split_of_view, summed_input_views, summed_parameter_views, summing_view_chain)
 from solvers.schedule import Compute, Forget, Schedule
+from .code_cache import compiled_source
 from .merge import grad_readers
 
 __all__ = ["GeneratedCode", "MARKER_PREFIX", "ScheduleError", "NodeInfo", "node_infos", "generate"]
@@ -99,14 +100,6 @@ class GeneratedCode:
     backward_phase: Any
     globals: dict[str, Any]
     global_names: dict[str, str]  # placeholder name of a parameter/buffer/constant -> global name
-
-
-_counter = [0]
-
-
-def _fresh_filename() -> str:
-    _counter[0] += 1
-    return f"<rockmate-generated-{_counter[0]}>"
 
 
 class _Writer:
@@ -1077,10 +1070,9 @@ def generate(
     generator = _Generator(graph, schedule, infos, input_requires_grad, torch.device(device), merged, markers,
                            aliased_parameters, trained_parameters, released_outputs)
     source = generator.generate()
-    filename = _fresh_filename()
+    code, filename = compiled_source(source)  # (read back where the same source was compiled before)
     namespace = dict(generator.globals)
     namespace.update(runtime_globals)
-    code = compile(source, filename, "exec")
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     exec(code, namespace)  # noqa: S102 - the namespace is private to this generated module
     return GeneratedCode(

@@ -661,7 +661,7 @@ def _with_classes(chain: Chain, classes_of_blocks: list[int]) -> Chain:
 def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int = 3,
           grad_accumulation: bool = True, max_block_nodes: int | None = 40, measure_cache=None,
           loss_index: Callable[[CapturedGraph], int | None] | None = None, output_gradients: str = "auto",
-          held_outputs: str = "all") -> ModelGraphs:
+          held_outputs: str = "all", on_capture: Callable[[CapturedGraph], None] | None = None) -> ModelGraphs:
     """Run the whole graph builder: capture, simplify, cut, inspect, CD-graphs.
 
     Args:
@@ -682,11 +682,15 @@ def build(model: nn.Module, sample, cost_model: str = "measured", repeats: int =
         held_outputs: ``"all"``: the step holds the model's outputs to its end; ``"loss"``: it
             keeps the model's loss alone (or nothing), the outputs of the last block dropped once
             the forward returns them (``ModelChain.dropped_outputs``).
+        on_capture: called with the captured graph once the model is captured (``rockmate.api``
+            keeps its objects out of the garbage collector's full collections from there).
     """
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
     captured = capture(model, sample)
     seconds["capture"] = time.perf_counter() - clock
+    if on_capture is not None:
+        on_capture(captured)
     clock = time.perf_counter()
     simplified = simplify(captured)
     index = None if loss_index is None else loss_index(captured)

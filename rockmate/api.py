@@ -14,6 +14,7 @@ import functools
 import gc
 import inspect
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -96,9 +97,14 @@ class BuildOptions:
                              "through its backward) or 'loss' (it keeps the model's loss alone)")
 
 
+# whether this thread's build froze the older objects (:func:`_older_objects_frozen`)
+_FREEZING = threading.local()
+
+
 def _older_objects_frozen(function):
     """``function`` (a build: capture, inspection, planning) with the objects alive when it starts
-    kept out of Python's full garbage collections (``gc.freeze``; ``gc.unfreeze`` when it ends).
+    kept out of Python's full garbage collections (``gc.freeze``; ``gc.unfreeze`` when it ends),
+    and those of the captured graph from its capture on (:func:`_captured_objects_frozen`).
 
     A full collection scans every tracked object: in a process that has imported torch and
     transformers and captured a model, 0.3-0.5 s each, and a build makes several (a 24-layer
@@ -113,12 +119,25 @@ def _older_objects_frozen(function):
         if gc.get_freeze_count() or not gc.isenabled():
             return function(*args, **kwargs)
         gc.freeze()
+        _FREEZING.on = True
         try:
             return function(*args, **kwargs)
         finally:
+            _FREEZING.on = False
             gc.unfreeze()
 
     return frozen
+
+
+def _captured_objects_frozen(_captured: CapturedGraph) -> None:
+    """In a build that froze the older objects, those made by the capture too (the captured
+    graph, alive through the build), after a collection of the young generations (the capture's
+    recent garbage): the full collections after the capture scan the build's new objects alone
+    (the 24-layer Llama's second build: 2 full collections of 0.09-0.1 s each, 0.2-0.25 s of
+    collections in all -> 0.07-0.12 s)."""
+    if getattr(_FREEZING, "on", False):
+        gc.collect(1)
+        gc.freeze()
 
 
 def _split_options(options: dict) -> tuple[BuildOptions, dict]:
@@ -160,7 +179,7 @@ def _build_graphs(model: nn.Module, sample, build_options: BuildOptions) -> Mode
                      grad_accumulation=build_options.grad_accumulation,
                      max_block_nodes=build_options.max_block_nodes, measure_cache=_measure_cache(),
                      loss_index=loss_index, output_gradients=build_options.output_gradients,
-                     held_outputs=build_options.held_outputs)
+                     held_outputs=build_options.held_outputs, on_capture=_captured_objects_frozen)
 
 
 def _held_outputs_hint(graphs: ModelGraphs, build_options: BuildOptions) -> str:

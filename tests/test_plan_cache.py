@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import marshal
 import pickle
 
 import pytest
@@ -305,3 +306,34 @@ def test_a_second_build_reads_its_measures_from_disk(tmp_path, monkeypatch):
     Rockmate(mlp, (x,), 10**12, cost_model="measured", solver="none")
     assert [cache.misses for cache in caches[2:]] == [2, 2, 2, 0]
     assert len(list((tmp_path / "measures").glob("*.pkl"))) == 8
+
+
+def test_a_second_build_reads_its_generated_code_compiled(tmp_path, monkeypatch):
+    """The generated code's bytecode (``exec.code_cache``, beside the plans): a second build of
+    the same model and budget compiles nothing, from memory in the same process and from disk in
+    a new one, and trains as eager does (bitwise, within the budget); a partial file, or one that
+    holds another source's code, is compiled again."""
+    from exec import code_cache
+    from exactness import check_training
+
+    monkeypatch.setenv("ROCKMATE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(code_cache, "_MEMORY", type(code_cache._MEMORY)())
+    monkeypatch.setattr(code_cache, "SOURCES", type(code_cache.SOURCES)())
+    model, sample = ZOO["gpt"].build(n_layer=2)
+    codes = [check_training(model, sample, 0.6, steps=2, **GRID).compiled.code]
+    (path,) = tmp_path.glob("code-*.marshal")
+    assert dict(code_cache.SOURCES) == {"compiled": 1}
+    codes.append(check_training(model, sample, 0.6, steps=2, **GRID).compiled.code)
+    code_cache._MEMORY.clear()  # as in a new process
+    third = check_training(model, sample, 0.6, steps=2, **GRID).compiled.compiled
+    codes.append(third.code)
+    assert dict(code_cache.SOURCES) == {"compiled": 1, "memory": 1, "disk": 1} and len(set(codes)) == 1
+    (runner,) = third._runners.values()
+    assert runner.code.filename == f"<rockmate-generated-{path.stem[5:21]}>"
+    written = path.read_bytes()
+    other = marshal.dumps(("0" * 64, compile("x = 1", runner.code.filename, "exec")))
+    for content in (written[:len(written) // 2], other):
+        code_cache._MEMORY.clear()
+        path.write_bytes(content)
+        assert check_training(model, sample, 0.6, steps=2, **GRID).compiled.code == codes[0]
+    assert dict(code_cache.SOURCES) == {"compiled": 3, "memory": 1, "disk": 1} and path.read_bytes() == written

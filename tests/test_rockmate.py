@@ -497,31 +497,38 @@ def test_dropout_decomposition_is_exact(dtype, fraction):
 
 def test_a_build_freezes_older_objects_and_leaves_the_collector_as_it_was(monkeypatch):
     """While it builds, Rockmate keeps the objects alive before it out of Python's full
-    collections (gc.freeze); after, the collector is as it was, and a process that froze
-    objects itself keeps its own frozen set, no more."""
+    collections (gc.freeze), and those of the captured graph from the capture on; after, the
+    collector is as it was, and a process that froze objects itself keeps its own frozen set,
+    no more."""
     import gc
 
+    import rkgb.build
     import rockmate.api
 
     seen = []
-    real = rockmate.api._build_graphs
+    real, real_simplify = rockmate.api._build_graphs, rkgb.build.simplify
 
     def build(*args, **kwargs):
         seen.append(gc.get_freeze_count())
         return real(*args, **kwargs)
 
+    def simplify(captured):  # (right after the capture)
+        seen.append(gc.get_freeze_count())
+        return real_simplify(captured)
+
     monkeypatch.setattr(rockmate.api, "_build_graphs", build)
+    monkeypatch.setattr(rkgb.build, "simplify", simplify)
     model, sample = ZOO["mlp"].build()
     before = gc.get_freeze_count()
     assert before == 0
     Rockmate(model, sample, "1GB", cost_model="flops")
-    assert seen[-1] > 0 and gc.get_freeze_count() == 0
+    assert 0 < seen[-2] < seen[-1] and gc.get_freeze_count() == 0
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
         min_budget(copy.deepcopy(model), sample, cost_model="flops")
         # (not unfrozen, nothing more frozen; frozen objects freed by their last reference leave the count)
-        assert 0 < seen[-1] <= frozen and 0 < gc.get_freeze_count() <= frozen
+        assert 0 < seen[-1] <= seen[-2] <= frozen and 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
