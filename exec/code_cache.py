@@ -7,7 +7,8 @@ which ``compile`` turns into bytecode in 0.15 s; ``marshal.loads`` reads that by
 generates the same source, so its code object is read instead of compiled: from this process's
 memory (the last few, :data:`MEMORY_ENTRIES`), else from the disk cache's directory
 (``code-<digest>.marshal``, beside the plans; :func:`solvers.option_cache.default_directory`,
-off with ``ROCKMATE_CACHE_DIR=off``).
+off with ``ROCKMATE_CACHE_DIR=off``), where the last :data:`DISK_ENTRIES` used are kept: a
+file is as big as the source (each budget of a model has code of its own).
 
 The key is the source itself (its SHA-256) and the interpreter's bytecode format
 (``importlib.util.MAGIC_NUMBER``): the code object read is the one ``compile`` would make of
@@ -27,9 +28,10 @@ from collections import Counter, OrderedDict
 
 from solvers.option_cache import default_directory
 
-__all__ = ["MEMORY_ENTRIES", "SOURCES", "compiled_source"]
+__all__ = ["DISK_ENTRIES", "MEMORY_ENTRIES", "SOURCES", "compiled_source"]
 
 MEMORY_ENTRIES = 8  # code objects kept in memory (the 24-layer Llama's: 1.5 MB marshaled)
+DISK_ENTRIES = 32  # code files kept on disk, the least recently used removed beyond
 
 # where each source's code came from in this process: "memory", "disk" or "compiled"
 SOURCES: Counter[str] = Counter()
@@ -75,6 +77,29 @@ def _write(path: str, key: str, code: types.CodeType) -> None:
             os.remove(temporary)
 
 
+def _touch(path: str) -> None:
+    """Mark ``path`` used now (the files kept are the last used: :func:`_keep_recent`)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _keep_recent(directory: str) -> None:
+    """Remove the code files of ``directory`` beyond the :data:`DISK_ENTRIES` last used."""
+    try:
+        with os.scandir(directory) as entries:
+            files = [(entry.stat().st_mtime, entry.path) for entry in entries
+                     if entry.name.startswith("code-") and entry.name.endswith(".marshal")]
+    except OSError:
+        return
+    for _, path in sorted(files, reverse=True)[DISK_ENTRIES:]:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
 def compiled_source(source: str) -> tuple[types.CodeType, str]:
     """``compile(source, filename, "exec")`` and its ``filename`` (``<rockmate-generated-<digest>>``): from
     memory or the disk cache where that source was compiled before, else compiled and kept."""
@@ -94,6 +119,9 @@ def compiled_source(source: str) -> tuple[types.CodeType, str]:
         code = compile(source, filename, "exec")
         if path is not None:
             _write(path, key, code)
+            _keep_recent(directory)
+    elif path is not None:
+        _touch(path)
     with _LOCK:
         _MEMORY[key] = code
         while len(_MEMORY) > MEMORY_ENTRIES:

@@ -337,3 +337,28 @@ def test_a_second_build_reads_its_generated_code_compiled(tmp_path, monkeypatch)
         path.write_bytes(content)
         assert check_training(model, sample, 0.6, steps=2, **GRID).compiled.code == codes[0]
     assert dict(code_cache.SOURCES) == {"compiled": 3, "memory": 1, "disk": 1} and path.read_bytes() == written
+
+
+def test_the_code_cache_keeps_the_last_used_files_on_disk(tmp_path, monkeypatch):
+    """``exec.code_cache`` keeps the ``DISK_ENTRIES`` code files last used (each is as big as
+    its source); one read from disk counts as used."""
+    import os
+
+    from exec import code_cache
+
+    monkeypatch.setenv("ROCKMATE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(code_cache, "_MEMORY", type(code_cache._MEMORY)())
+    monkeypatch.setattr(code_cache, "DISK_ENTRIES", 2)
+    files = {}
+    for i, source in enumerate(["x = 1\n", "x = 2\n"]):
+        code_cache.compiled_source(source)
+        (files[source],) = set(tmp_path.glob("code-*.marshal")) - set(files.values())
+        os.utime(files[source], (1000 + i, 1000 + i))  # (written in this order, a second apart)
+    code_cache._MEMORY.clear()
+    code, _ = code_cache.compiled_source("x = 1\n")  # read back: the last used now
+    namespace = {}
+    exec(code, namespace)
+    assert namespace["x"] == 1
+    code_cache.compiled_source("x = 3\n")
+    kept = set(tmp_path.glob("code-*.marshal"))
+    assert len(kept) == 2 and files["x = 1\n"] in kept and files["x = 2\n"] not in kept
