@@ -176,7 +176,8 @@ def _denormals_flushed():
 SAMPLED_S = 0.05
 # a first run at least this long is the op's sample: its cold caches and fresh pages are nothing
 # beside its time (the backward of the 12-layer Llama's lm head, d=768 x 32000 on 512 tokens:
-# 0.626 s its first run, 0.619 s the next; its inspection 0.6 s shorter)
+# 0.626 s its first run, 0.619 s the next; GPT-2 small's lm head 0.929 and 0.945 s, its loss
+# 0.417 and 0.41 s)
 SLOW_FIRST_RUN_S = 0.2
 
 
@@ -201,12 +202,6 @@ class _Clock:
                     + random.count * _RANDOM_S_PER_ELEMENT)
         with _denormals_flushed() if self.device.type == "cpu" else contextlib.nullcontext():
             return self._fastest(fn, warmed)
-
-    def slow_run(self, seconds: float) -> float | None:
-        """A run's ``seconds`` as its op's time, where the cost model measures and the run took
-        ``SLOW_FIRST_RUN_S`` or more (what else it did, a memory measure's bookkeeping, is nothing
-        beside that); else None (timed apart)."""
-        return seconds if self.cost_model == "measured" and seconds >= SLOW_FIRST_RUN_S else None
 
     def _fastest(self, fn, warmed: bool = False) -> float:
         if not warmed:
@@ -1407,14 +1402,10 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             no_grad_peak = meter.measure(forward_no_grad)
 
             def forward_with_grad():
-                began = time.perf_counter()
                 with saved.island(name), torch.set_grad_enabled(requires_grad):
                     aliases[name] = run_island_lines([line for line in lines if line.name not in given], env,
                                                      sink_of, queue, position, targets,
                                                      {fx for fx, reader in read_by_one.items() if reader == name})
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                result["seconds"] = time.perf_counter() - began
                 values = [env[n] for n in exported]
                 saved.finish_island(name, values)
                 result["exported"] = values
@@ -1434,11 +1425,10 @@ def _inspect_block(graph, block: Block, outer_env, model, clock, device, class_i
             # with the autograd node), as eager's graph keeps it
             phantom_bytes = max(saved.phantom_bytes(name), retained - data_bytes)
 
-            # (warmed: the node has just run twice, without and with grad, for its memory; a slow
-            # node's run with grad is its time)
-            forward_time = clock.slow_run(result["seconds"])
-            if forward_time is None:
-                forward_time = clock(_rerun(lines, env, requires_grad, targets), data_bytes, warmed=True)
+            # (warmed: the node has just run twice, without and with grad, for its memory; that
+            # run with grad is not its time: under the island's hooks, GPT-2 small's loss took
+            # 0.224 s there once, 0.102 s in the rerun)
+            forward_time = clock(_rerun(lines, env, requires_grad, targets), data_bytes, warmed=True)
             islands[name] = [t for t, out in zip(values, exported) if needs[name].exported[out]]
             make_leaves(node, exported, values)
             values = None
