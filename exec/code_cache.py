@@ -26,6 +26,7 @@ import threading
 import types
 from collections import Counter, OrderedDict
 
+from rkgb.disk_cache import write_atomically
 from solvers.option_cache import default_directory
 
 __all__ = ["DISK_ENTRIES", "MEMORY_ENTRIES", "SOURCES", "compiled_source"]
@@ -60,21 +61,6 @@ def _read(path: str, key: str) -> types.CodeType | None:
         return None
     valid = isinstance(entry, tuple) and len(entry) == 2 and entry[0] == key and isinstance(entry[1], types.CodeType)
     return entry[1] if valid else None
-
-
-def _write(path: str, key: str, code: types.CodeType) -> None:
-    """Write ``code`` atomically; a read-only or full disk leaves nothing written."""
-    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(temporary, "wb") as handle:
-            handle.write(marshal.dumps((key, code)))
-        os.replace(temporary, path)
-    except OSError:
-        pass
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
 
 
 def _touch(path: str) -> None:
@@ -118,7 +104,7 @@ def compiled_source(source: str) -> tuple[types.CodeType, str]:
     if code is None:
         code = compile(source, filename, "exec")
         if path is not None:
-            _write(path, key, code)
+            write_atomically(path, lambda handle: handle.write(marshal.dumps((key, code))))
             _keep_recent(directory)
     elif path is not None:
         _touch(path)

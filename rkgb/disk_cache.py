@@ -12,9 +12,9 @@ import os
 import pickle
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
-__all__ = ["read_pickle", "write_pickle", "MeasureCache", "source_digest"]
+__all__ = ["read_pickle", "write_pickle", "write_atomically", "MeasureCache", "source_digest"]
 
 
 def read_pickle(path: str):
@@ -28,13 +28,19 @@ def read_pickle(path: str):
 
 
 def write_pickle(path: str, value) -> None:
-    """Write ``value`` atomically; a read-only or full disk leaves nothing written (the cache
-    then lives in memory only), and an interrupt (Ctrl-C) while writing leaves no partial file."""
+    """Write ``value`` atomically (:func:`write_atomically`)."""
+    write_atomically(path, lambda handle: pickle.dump(value, handle))
+
+
+def write_atomically(path: str, write: Callable[[BinaryIO], object]) -> None:
+    """Make the file ``path`` of what ``write`` writes into the handle it is given, atomically: a
+    read-only or full disk leaves nothing written (the cache then lives in memory only), and an
+    interrupt (Ctrl-C) while writing leaves no partial file."""
     temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(temporary, "wb") as handle:
-            pickle.dump(value, handle)
+            write(handle)
         os.replace(temporary, path)
     except OSError:
         pass
