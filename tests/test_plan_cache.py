@@ -336,7 +336,9 @@ def test_a_second_build_reads_its_generated_code_compiled(tmp_path, monkeypatch)
         code_cache._MEMORY.clear()
         path.write_bytes(content)
         assert check_training(model, sample, 0.6, steps=2, **GRID).compiled.code == codes[0]
-    assert dict(code_cache.SOURCES) == {"compiled": 3, "memory": 1, "disk": 1} and path.read_bytes() == written
+    # rewritten: the same key and code (compared as values: marshal's bytes depend on refcounts)
+    assert dict(code_cache.SOURCES) == {"compiled": 3, "memory": 1, "disk": 1}
+    assert marshal.loads(path.read_bytes()) == marshal.loads(written)
 
 
 def test_the_code_cache_keeps_the_last_used_files_on_disk(tmp_path, monkeypatch):
