@@ -64,7 +64,7 @@ from solvers.checkmate_ilp import RkCheckmateILP, default_ilp_solver
 from solvers.option_repair import ScheduleRepair
 from solvers.options import BlockOption, ClassOptions, autograd_option, no_grad_forward, option_from_computes
 
-__all__ = ["GridReport", "solve_class_options", "pareto_front"]
+__all__ = ["GridReport", "SolveRecord", "solve_class_options", "pareto_front"]
 
 # the repair of a pair starts from the answers of this many nearest looser pairs (measured on
 # the GPT attention classes: a third seed, or the known solutions nearest to fitting, cost
@@ -109,6 +109,23 @@ OVERLAP_ROW_SOLVES_FROM = 100
 
 
 @dataclass
+class SolveRecord:
+    """One ILP solve of a grid: its budgets (bytes; None for the min-peak and min-save solves),
+    objective (``"time"``, ``"peak"``, ``"save"``), the start it was given (computes, or None),
+    the schedule it returned (None: none), its objective value in the model's units and its
+    wall-clock seconds. What ``benchmarks/bench_grid_certificates.py`` analyses."""
+
+    peak_bytes: int | None
+    save_bytes: int | None
+    objective: str
+    start: list[str] | None
+    computes: list[str] | None
+    value: float | None
+    seconds: float
+    time_limit_hit: bool
+
+
+@dataclass
 class GridReport:
     """How the grid was solved: what the benchmark prints.
 
@@ -137,6 +154,9 @@ class GridReport:
     grid_s: float = 0.0
     total_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # every ILP solve, in the order they ended (with ``record_solves``)
+    solves: list[SolveRecord] = field(default_factory=list)
+    record_solves: bool = False
 
 
 def pareto_front(options: list[BlockOption]) -> list[BlockOption]:
@@ -255,8 +275,14 @@ def solve_class_options(
         ilp = models.get()
         try:
             with solver_slots if solver_slots is not None else contextlib.nullcontext():
-                return ilp.solve(peak, save, time_limit_s=limit_s, solver=ilp_solver, gap=within,
-                                 cbc_options=GRID_CBC_OPTIONS, **kwargs)
+                solution = ilp.solve(peak, save, time_limit_s=limit_s, solver=ilp_solver, gap=within,
+                                     cbc_options=GRID_CBC_OPTIONS, **kwargs)
+            if report.record_solves:
+                report.solves.append(SolveRecord(
+                    peak, save, kwargs.get("objective", "time"), kwargs.get("start"),
+                    solution.computes if solution.feasible else None,
+                    solution.objective if solution.feasible else None, solution.solve_time_s, solution.time_limit_hit))
+            return solution
         finally:
             models.put(ilp)
 
