@@ -64,7 +64,7 @@ from solvers.checkmate_ilp import RkCheckmateILP, default_ilp_solver
 from solvers.option_repair import ScheduleRepair
 from solvers.options import BlockOption, ClassOptions, autograd_option, no_grad_forward, option_from_computes
 
-__all__ = ["GridReport", "SolveRecord", "solve_class_options", "pareto_front"]
+__all__ = ["GridReport", "SolveRecord", "grid_model", "solve_class_options", "pareto_front"]
 
 # the repair of a pair starts from the answers of this many nearest looser pairs (measured on
 # the GPT attention classes: a third seed, or the known solutions nearest to fitting, cost
@@ -111,13 +111,16 @@ OVERLAP_ROW_SOLVES_FROM = 100
 @dataclass
 class SolveRecord:
     """One ILP solve of a grid: its budgets (bytes; None for the min-peak and min-save solves),
-    objective (``"time"``, ``"peak"``, ``"save"``), the start it was given (computes, or None),
-    the schedule it returned (None: none), its objective value in the model's units and its
-    wall-clock seconds. What ``benchmarks/bench_grid_certificates.py`` analyses."""
+    objective (``"time"``, ``"peak"``, ``"save"``), the relative gap and time limit it was given,
+    the start it was given (computes, or None), the schedule it returned (None: none), its
+    objective value in the model's units and its wall-clock seconds. What
+    ``benchmarks/bench_grid_certificates.py`` analyses."""
 
     peak_bytes: int | None
     save_bytes: int | None
     objective: str
+    gap: float
+    time_limit_s: float
     start: list[str] | None
     computes: list[str] | None
     value: float | None
@@ -154,9 +157,8 @@ class GridReport:
     grid_s: float = 0.0
     total_s: float = 0.0
     notes: list[str] = field(default_factory=list)
-    # every ILP solve, in the order they ended (with ``record_solves``)
-    solves: list[SolveRecord] = field(default_factory=list)
-    record_solves: bool = False
+    # every ILP solve, in the order they ended, where a list is given (None: not recorded)
+    solves: list[SolveRecord] | None = None
 
 
 def pareto_front(options: list[BlockOption]) -> list[BlockOption]:
@@ -167,6 +169,16 @@ def pareto_front(options: list[BlockOption]) -> list[BlockOption]:
     kept = list(unique.values())
     front = [o for o in kept if not any(p is not o and p.dominates(o) and p.key() != o.key() for p in kept)]
     return sorted(front, key=lambda o: (o.saved_bytes, o.peak_bytes, o.time_s))
+
+
+def grid_model(graph: CDGraph, *, forward_recompute: bool, lazy_recompute: bool, whole_runs: bool,
+               top: BlockOption | None = None) -> RkCheckmateILP:
+    """The rk-Checkmate model that the option grid of ``graph`` solves (its memory in thousandths
+    of the autograd schedule's peak ``top``, numbers near 1e3 for the solver)."""
+    top = autograd_option(graph) if top is None else top
+    unit = max(1.0, top.peak_bytes / 1000.0)
+    return RkCheckmateILP(graph, forward_recompute=forward_recompute, lazy_recompute=lazy_recompute,
+                          memory_unit_bytes=unit, whole_runs=whole_runs)
 
 
 def _linspace(low: float, high: float, count: int) -> list[int]:
@@ -261,11 +273,10 @@ def solve_class_options(
     start = time.perf_counter()
     top = autograd_option(graph)
     options = [top]
-    unit = max(1.0, top.peak_bytes / 1000.0)
     workers = max(1, min(int(workers), os.cpu_count() or 1))
     # one model per running solve (a solve sets the model's bounds, objective and values)
-    built = [RkCheckmateILP(graph, forward_recompute=forward_recompute, lazy_recompute=lazy_recompute,
-                            memory_unit_bytes=unit, whole_runs=whole_runs) for _ in range(workers)]
+    built = [grid_model(graph, forward_recompute=forward_recompute, lazy_recompute=lazy_recompute,
+                        whole_runs=whole_runs, top=top) for _ in range(workers)]
     models: queue.SimpleQueue[RkCheckmateILP] = queue.SimpleQueue()
     for model in built:
         models.put(model)
@@ -277,9 +288,9 @@ def solve_class_options(
             with solver_slots if solver_slots is not None else contextlib.nullcontext():
                 solution = ilp.solve(peak, save, time_limit_s=limit_s, solver=ilp_solver, gap=within,
                                      cbc_options=GRID_CBC_OPTIONS, **kwargs)
-            if report.record_solves:
+            if report.solves is not None:
                 report.solves.append(SolveRecord(
-                    peak, save, kwargs.get("objective", "time"), kwargs.get("start"),
+                    peak, save, kwargs.get("objective", "time"), within, limit_s, kwargs.get("start"),
                     solution.computes if solution.feasible else None,
                     solution.objective if solution.feasible else None, solution.solve_time_s, solution.time_limit_hit))
             return solution

@@ -533,28 +533,22 @@ class RockmateSolver(ChainPlanner):
         report = GridReport()
 
         def compute() -> ClassOptions:
-            return solve_class_options(
-                chain.classes[index],
-                peak_steps=self.peak_steps,
-                save_steps=self.save_steps,
-                time_limit_s=self.time_limit_s,
-                ilp_solver=self.ilp_solver,
-                forward_recompute=self.forward_recompute,
-                lazy_recompute=self.lazy_recompute,
-                gap=self.gap,
-                workers=self.workers,
-                grid_time_limit_s=self.grid_time_limit_s,
-                whole_runs=self.whole_runs,
-                stalled_solves=self.stalled_solves,
-                neighbourhood_flips=self.neighbourhood_flips,
-                report=report,
-                solver_slots=solver_slots,
-            )
+            return solve_class_options(chain.classes[index], **self.grid_arguments(), report=report,
+                                       solver_slots=solver_slots)
 
         options = compute() if self.cache is None else \
             self.cache.get_or_compute(chain.classes[index], settings, compute, kind=ClassOptions)
         self.reports[index] = report
         return options
+
+    def grid_arguments(self) -> dict:
+        """The keyword arguments of :func:`solvers.block_options.solve_class_options` that this
+        solver's settings give (its report and solver slots aside)."""
+        return dict(peak_steps=self.peak_steps, save_steps=self.save_steps, time_limit_s=self.time_limit_s,
+                    ilp_solver=self.ilp_solver, forward_recompute=self.forward_recompute,
+                    lazy_recompute=self.lazy_recompute, gap=self.gap, workers=self.workers,
+                    grid_time_limit_s=self.grid_time_limit_s, whole_runs=self.whole_runs,
+                    stalled_solves=self.stalled_solves, neighbourhood_flips=self.neighbourhood_flips)
 
 
 @dataclass

@@ -482,18 +482,20 @@ def test_mip_start_keeps_the_optimum(name, backend):
 
 
 def test_a_grid_records_each_solve_with_its_budgets_start_and_result():
-    """With ``record_solves``, the report lists every ILP solve: the two bound solves without
-    budgets, then pairs whose returned schedule fits their budgets and whose value is the ILP's
-    objective for that schedule (what bench_grid_certificates.py reads); without it, none."""
+    """Given a list, the report records every ILP solve in it: the two bound solves without
+    budgets, then pairs solved at the grid's gap whose returned schedule fits their budgets and
+    whose value is the ILP's objective for that schedule (what bench_grid_certificates.py reads);
+    without one, none."""
     from solvers.block_options import GridReport
 
     graph = GRAPHS["random0"]()
-    report = GridReport(record_solves=True)
-    solve_class_options(graph, peak_steps=4, save_steps=4, gap=0.0, report=report)
+    report = GridReport(solves=[])
+    solve_class_options(graph, peak_steps=4, save_steps=4, gap=0.0, time_limit_s=7.0, report=report)
     assert len(report.solves) == report.solved + 2
     assert sorted(s.objective for s in report.solves if s.peak_bytes is None) == ["peak", "save"]
     pairs = [s for s in report.solves if s.peak_bytes is not None]
-    assert pairs and all(s.objective == "time" and s.seconds > 0 for s in pairs)
+    assert pairs and all(s.objective == "time" and s.gap == 0.0 and s.time_limit_s == 7.0 and s.seconds > 0
+                         for s in pairs)
     ilp = RkCheckmateILP(graph)  # (the grid's settings: solve_class_options' defaults)
     for s in pairs:
         option = option_from_computes(graph, s.computes)
@@ -503,8 +505,8 @@ def test_a_grid_records_each_solve_with_its_budgets_start_and_result():
         assert (option.time_s - sum(c.time_s for c in graph.compute_nodes)) / ilp.time_unit == \
             pytest.approx(s.value, abs=1e-6)
     quiet = GridReport()
-    solve_class_options(graph, peak_steps=4, save_steps=4, gap=0.0, report=quiet)
-    assert quiet.solves == [] and quiet.solved == report.solved
+    solve_class_options(graph, peak_steps=4, save_steps=4, gap=0.0, time_limit_s=7.0, report=quiet)
+    assert quiet.solves is None and quiet.solved == report.solved
 
 
 @pytest.mark.parametrize("name", ["multi_output", "random0", "random1"])
